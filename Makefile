@@ -1,0 +1,32 @@
+# The two commands a fresh machine needs: `make demo` and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# torch: the CPU build pinned here lies on disk on the project's machines; elsewhere pip
+# takes the CPU wheel from PyTorch's index rather than a multi-GB CUDA build.
+TORCH ?= torch==2.13.0
+
+.PHONY: setup demo test lint bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)" || $(PY) -m pip install -q "$(TORCH)" --index-url https://download.pytorch.org/whl/cpu
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+demo: setup
+	$(VENV)/bin/assay demo demo-out --overwrite
+
+lint: setup
+	$(VENV)/bin/ruff check assay tests bench scripts
+	$(VENV)/bin/ruff format --check assay tests bench scripts
+	$(VENV)/bin/mypy
+
+test: lint
+	$(VENV)/bin/pytest -q
+
+clean:
+	rm -rf $(VENV) demo-out

@@ -1,0 +1,8 @@
+"""`python -m assay` (and `torchrun -m assay`) run the CLI."""
+
+import sys
+
+from assay.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

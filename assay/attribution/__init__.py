@@ -1,0 +1,1 @@
+"""Training-data attribution: projected per-example gradients, TrackStar scoring, selection."""

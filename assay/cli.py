@@ -1,0 +1,135 @@
+"""The `assay` command: one table of commands, each a typed config and a run function.
+
+Flags come from each config's dataclass fields; their docstrings are the `--help` text.
+Configs and run functions are imported lazily so `assay --help` starts instantly.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from assay.core.errors import AssayError
+
+
+@dataclass(frozen=True)
+class Command:
+    """A CLI command: its config class and run function, as `module:name` strings."""
+
+    config: str
+    run: str
+    summary: str
+
+    def load(self) -> tuple[type, Callable[[Any], Any]]:
+        return _import(self.config), _import(self.run)
+
+
+def _import(spec: str) -> Any:
+    module, name = spec.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+COMMANDS: dict[str, Command] = {
+    "eval": Command(
+        "assay.training.evaluate:EvalConfig",
+        "assay.training.evaluate:run_eval",
+        "Per-example and mean loss of a model on a dataset.",
+    ),
+    "demo": Command(
+        "assay.demo:DemoConfig",
+        "assay.demo:run_demo",
+        "The main job on the bundled defaults: real data, a real small model.",
+    ),
+}
+
+
+def _usage() -> str:
+    width = max(len(n) for n in [*COMMANDS, "replay"])
+    lines = [
+        "usage: assay COMMAND [OPTIONS]   (assay COMMAND --help for its options)",
+        "",
+        "Understand language models through their training data and their features.",
+        "",
+        "commands:",
+    ]
+    lines += [f"  {name:<{width}}  {cmd.summary}" for name, cmd in COMMANDS.items()]
+    lines += [
+        f"  {'replay':<{width}}  Rerun a finished or interrupted run from its saved config.json.",
+        "",
+        "global flags: --debug (show tracebacks)",
+    ]
+    return "\n".join(lines)
+
+
+def _split_command(argv: list[str]) -> tuple[str, list[str]]:
+    for words in (2, 1):
+        name = " ".join(argv[:words])
+        if name in COMMANDS or name == "replay":
+            return name, argv[words:]
+    raise AssayError(f"unknown command {' '.join(argv[:1])!r}; run `assay --help` for the list")
+
+
+def parse(name: str, args: Sequence[str]) -> tuple[Any, Callable[[Any], Any]]:
+    """Parse a command's flags into its config (through tyro)."""
+    import tyro
+
+    config_cls, run = COMMANDS[name].load()
+    cfg: Any = tyro.cli(
+        config_cls,
+        args=list(args),
+        prog=f"assay {name}",
+        use_underscores=True,
+        description=config_cls.__doc__,
+        config=(tyro.conf.PositionalMetavarFromFieldName,),
+    )
+    return cfg, run
+
+
+def replay(args: list[str]) -> Any:
+    """`assay replay RUN_DIR [--out NEW] [--overwrite]`: run a saved config again."""
+    from assay.core.console import note
+    from assay.core.runs import config_from_dict, load_run_config
+
+    if not args or args[0].startswith("-"):
+        raise AssayError("usage: assay replay RUN_DIR [--out NEW_DIR] [--overwrite]")
+    saved = load_run_config(args[0])
+    if saved["command"] not in COMMANDS:
+        raise AssayError(f"{args[0]} was made by an unknown command {saved['command']!r}")
+    config_cls, run = COMMANDS[saved["command"]].load()
+    data = dict(saved["config"])
+    if "--out" in args:
+        data["out"] = args[args.index("--out") + 1]
+    data["overwrite"] = "--overwrite" in args or data.get("overwrite", False)
+    note(f"replaying `assay {saved['command']}` into {data['out']}")
+    return run(config_from_dict(config_cls, data))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point: returns the process exit code. Errors are one line unless --debug."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in args
+    args = [a for a in args if a != "--debug"]
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0
+    name = args[0]
+    try:
+        name, rest = _split_command(args)
+        if name == "replay":
+            replay(rest)
+        else:
+            cfg, run = parse(name, rest)
+            run(cfg)
+    except AssayError as e:
+        if debug:
+            traceback.print_exc()
+        print(f"assay {name}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"assay {name}: interrupted; rerun the same command to resume", file=sys.stderr)
+        return 130
+    return 0

@@ -1,0 +1,285 @@
+"""Datasets in, tokenized examples out, then token-budget batches.
+
+Every example keeps a stable id: its row index in the source split, through filtering,
+`--max_samples`, sorting and every later step. Tokenization happens once and is cached.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from assay.core import corpora
+from assay.core.config import DataConfig
+from assay.core.errors import AssayError
+from assay.core.paths import cache_dir
+
+ID_COLUMN = "__assay_id__"
+FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+def load_table(cfg: DataConfig) -> Any:
+    """The dataset split as a `datasets.Dataset`, with the source row id in ID_COLUMN."""
+    table = _load_split(cfg)
+    table = table.add_column(ID_COLUMN, list(range(len(table))))
+    if cfg.filter_column is not None:
+        _require_columns(table, [cfg.filter_column], cfg.dataset)
+        table = table.filter(lambda row: str(row[cfg.filter_column]) == cfg.filter_value)
+    if cfg.max_samples is not None:
+        table = table.select(range(min(cfg.max_samples, len(table))))
+    if len(table) == 0:
+        raise AssayError(f"dataset {cfg.dataset!r} (split {cfg.split!r}) has no examples left")
+    needed = [cfg.prompt_column, cfg.completion_column] if cfg.prompt_column else [cfg.text_column]
+    _require_columns(table, [c for c in needed if c], cfg.dataset)
+    return table
+
+
+def _require_columns(table: Any, columns: list[str], name: str) -> None:
+    missing = [c for c in columns if c not in table.column_names]
+    if missing:
+        have = ", ".join(c for c in table.column_names if c != ID_COLUMN)
+        raise AssayError(f"dataset {name!r} has no column {missing[0]!r}; available: {have}")
+
+
+def _load_split(cfg: DataConfig) -> Any:
+    import datasets
+
+    datasets.disable_progress_bars()
+    source = cfg.dataset
+    if source in corpora.BUNDLED:
+        folder = corpora.prepare(source, cache_dir())
+        path = folder / f"{cfg.split}.jsonl"
+        if not path.exists():
+            raise AssayError(f"bundled dataset {source!r} has splits train and eval, not {cfg.split!r}")
+        return datasets.load_dataset("json", data_files=str(path), split="train")
+    path = Path(source)
+    if path.is_file():
+        return _load_file(path)
+    if path.is_dir():
+        return _load_folder(path, cfg.split)
+    if source.startswith((".", "/", "~")) or Path(source).suffix in (*FILE_BUILDERS, ".txt"):
+        raise AssayError(f"dataset file {source!r} not found")
+    return _load_hub(cfg)
+
+
+def _load_file(path: Path) -> Any:
+    import datasets
+
+    if path.suffix == ".txt":
+        return datasets.load_dataset("text", data_files=str(path), split="train", sample_by="paragraph")
+    builder = FILE_BUILDERS.get(path.suffix)
+    if builder is None:
+        raise AssayError(f"{path}: unsupported file type; use .jsonl, .json, .parquet, .csv or .txt")
+    try:
+        return datasets.load_dataset(builder, data_files=str(path), split="train")
+    except Exception as e:  # datasets raises many types for malformed files
+        raise AssayError(f"could not read {path}: {str(e).splitlines()[0]}") from None
+
+
+def _load_folder(path: Path, split: str) -> Any:
+    import datasets
+
+    try:
+        loaded = datasets.load_from_disk(str(path))
+    except FileNotFoundError:
+        raise AssayError(f"{path} is not a saved Hugging Face dataset folder") from None
+    if isinstance(loaded, datasets.DatasetDict):
+        if split not in loaded:
+            raise AssayError(f"{path} has splits {', '.join(loaded)}, not {split!r}")
+        return loaded[split]
+    return loaded
+
+
+def _load_hub(cfg: DataConfig) -> Any:
+    import datasets
+
+    try:
+        return datasets.load_dataset(cfg.dataset, cfg.subset, split=cfg.split)
+    except Exception as e:
+        raise AssayError(
+            f"dataset {cfg.dataset!r} is not a file, a folder, a bundled alias "
+            f"({', '.join(corpora.BUNDLED)}) or a reachable hub dataset "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        ) from None
+
+
+@dataclass
+class Examples:
+    """Tokenized examples, stored flat. Token j is a training target when j >= loss_start."""
+
+    ids: np.ndarray  # [N] int64: row index in the source split
+    offsets: np.ndarray  # [N+1] int64: example i is tokens[offsets[i]:offsets[i+1]]
+    tokens: np.ndarray  # [total] int32
+    loss_start: np.ndarray  # [N] int64: first position whose token carries loss (>= 1)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def tokens_of(self, i: int) -> np.ndarray:
+        return self.tokens[self.offsets[i] : self.offsets[i + 1]]
+
+    def num_loss_tokens(self) -> np.ndarray:
+        """[N] how many targets of each example carry loss."""
+        return np.maximum(self.lengths - self.loss_start, 0)
+
+    def subset(self, positions: np.ndarray | list[int]) -> Examples:
+        """The examples at these positions (not ids), in this order."""
+        pos = np.asarray(positions, dtype=np.int64)
+        pieces = [self.tokens_of(int(i)) for i in pos]
+        lengths = np.array([len(p) for p in pieces], dtype=np.int64)
+        return Examples(
+            ids=self.ids[pos],
+            offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+            tokens=np.concatenate(pieces).astype(np.int32) if pieces else np.zeros(0, np.int32),
+            loss_start=self.loss_start[pos],
+        )
+
+    def positions_of(self, ids: np.ndarray | list[int]) -> np.ndarray:
+        """Positions of the given example ids."""
+        where = {int(v): i for i, v in enumerate(self.ids)}
+        try:
+            return np.array([where[int(v)] for v in ids], dtype=np.int64)
+        except KeyError as e:
+            raise AssayError(f"example id {e.args[0]} is not in this dataset") from None
+
+    def save(self, path: Path) -> None:
+        tmp = path.with_name(path.name + ".tmp.npz")
+        np.savez(tmp, ids=self.ids, offsets=self.offsets, tokens=self.tokens, loss_start=self.loss_start)
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: Path) -> Examples:
+        with np.load(path, allow_pickle=False) as f:
+            return cls(f["ids"], f["offsets"], f["tokens"], f["loss_start"])
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """A short hash identifying a tokenizer's vocabulary and rules."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    text = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def tokenize(table: Any, cfg: DataConfig, tokenizer: Any) -> Examples:
+    """Tokenize every row once (cached by dataset, tokenizer and options)."""
+    key = json.dumps(
+        [
+            table._fingerprint,
+            tokenizer_fingerprint(tokenizer),
+            cfg.text_column,
+            cfg.prompt_column,
+            cfg.completion_column,
+            cfg.max_length,
+            len(table),
+        ]
+    )
+    path = cache_dir() / "tokenized" / (hashlib.sha256(key.encode()).hexdigest()[:24] + ".npz")
+    if path.exists():
+        return Examples.load(path)
+    examples = _tokenize_rows(table, cfg, tokenizer)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    examples.save(path)
+    return examples
+
+
+def _tokenize_rows(table: Any, cfg: DataConfig, tokenizer: Any) -> Examples:
+    eos = tokenizer.eos_token_id
+    if cfg.prompt_column:
+        prompts = tokenizer(list(table[cfg.prompt_column]), add_special_tokens=True)["input_ids"]
+        completions = tokenizer(list(table[cfg.completion_column]), add_special_tokens=False)["input_ids"]
+    else:
+        prompts = [[] for _ in range(len(table))]
+        completions = tokenizer(list(table[cfg.text_column]), add_special_tokens=True)["input_ids"]
+    pieces, starts = [], []
+    for p, c in zip(prompts, completions):
+        seq = list(p) + list(c) + ([eos] if eos is not None and (not c or c[-1] != eos) else [])
+        pieces.append(np.asarray(seq[: cfg.max_length], dtype=np.int32))
+        starts.append(max(len(p), 1))
+    lengths = np.array([len(s) for s in pieces], dtype=np.int64)
+    return Examples(
+        ids=np.asarray(table[ID_COLUMN], dtype=np.int64),
+        offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+        tokens=np.concatenate(pieces) if pieces else np.zeros(0, np.int32),
+        loss_start=np.asarray(starts, dtype=np.int64),
+    )
+
+
+def load_examples(cfg: DataConfig, tokenizer: Any) -> tuple[Any, Examples]:
+    """The table (for texts and metadata) and its tokenized examples, row for row."""
+    table = load_table(cfg)
+    examples = tokenize(table, cfg, tokenizer)
+    if int(examples.num_loss_tokens().sum()) == 0:
+        raise AssayError(f"dataset {cfg.dataset!r}: no tokens carry loss (empty texts or completions?)")
+    return table, examples
+
+
+def bucket_length(n: int, multiple: int = 16) -> int:
+    """Round a padded length up to few distinct shapes: CPU kernels set up per shape."""
+    if n <= 64:
+        return -(-n // multiple) * multiple
+    step = 1 << max(n.bit_length() - 3, 4)  # four buckets per power of two
+    return -(-n // step) * step
+
+
+def token_batches(examples: Examples, token_batch_size: int, sort: bool = True) -> list[np.ndarray]:
+    """Group example positions so each padded batch holds at most `token_batch_size` tokens.
+
+    Sorting by length keeps padding small; an example longer than the budget gets a batch
+    of its own. Batches come out in a deterministic order.
+    """
+    lengths = examples.lengths
+    order = np.argsort(-lengths, kind="stable") if sort else np.arange(len(lengths))
+    batches: list[np.ndarray] = []
+    current: list[int] = []
+    width = 0
+    for pos in order:
+        new_width = max(width, bucket_length(int(lengths[pos])))
+        if current and new_width * (len(current) + 1) > token_batch_size:
+            batches.append(np.asarray(current, dtype=np.int64))
+            current, new_width = [], bucket_length(int(lengths[pos]))
+        current.append(int(pos))
+        width = new_width
+    if current:
+        batches.append(np.asarray(current, dtype=np.int64))
+    return batches
+
+
+def collate(
+    examples: Examples,
+    positions: np.ndarray,
+    pad_id: int,
+    device: torch.device | str = "cpu",
+    pad_to: int | None = None,
+) -> dict[str, torch.Tensor]:
+    """Right-padded `input_ids`, `attention_mask` and `labels` (-100 where no loss)."""
+    lengths = [int(examples.lengths[p]) for p in positions]
+    width = pad_to or bucket_length(max(lengths))
+    ids = torch.full((len(positions), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(positions), width), dtype=torch.long)
+    labels = torch.full((len(positions), width), -100, dtype=torch.long)
+    for row, pos in enumerate(positions):
+        toks = torch.from_numpy(examples.tokens_of(int(pos)).astype(np.int64))
+        n = len(toks)
+        ids[row, :n] = toks
+        mask[row, :n] = 1
+        start = int(examples.loss_start[pos])
+        labels[row, start:n] = toks[start:]
+    return {"input_ids": ids.to(device), "attention_mask": mask.to(device), "labels": labels.to(device)}
+
+
+def texts_of(table: Any, cfg: DataConfig) -> list[str]:
+    """The readable text of each row (prompt + completion when those columns are used)."""
+    if cfg.prompt_column:
+        return [f"{p}{c}" for p, c in zip(table[cfg.prompt_column], table[cfg.completion_column])]
+    return [str(t) for t in table[cfg.text_column]]

@@ -1,0 +1,63 @@
+"""Module hooks as context managers: registered on enter, always removed on exit."""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from assay.core.errors import AssayError
+
+
+def get_module(model: nn.Module, name: str) -> nn.Module:
+    """The submodule called `name`, with the available names in the error."""
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        close = [n for n, _ in model.named_modules() if n.split(".")[-1] == name.split(".")[-1]][:5]
+        hint = f"; similar: {', '.join(close)}" if close else ""
+        raise AssayError(f"model has no module {name!r}{hint}") from None
+
+
+def match_modules(names: list[str], patterns: tuple[str, ...]) -> list[str]:
+    """Names matching the glob patterns; a pattern starting with `!` excludes."""
+    include = [p for p in patterns if not p.startswith("!")] or ["*"]
+    exclude = [p[1:] for p in patterns if p.startswith("!")]
+    return [
+        n
+        for n in names
+        if any(fnmatch.fnmatchcase(n, p) for p in include)
+        and not any(fnmatch.fnmatchcase(n, p) for p in exclude)
+    ]
+
+
+@contextmanager
+def forward_hooks(
+    modules: dict[str, nn.Module], hook: Callable[[str, nn.Module, Any, Any], Any]
+) -> Iterator[None]:
+    """Call `hook(name, module, inputs, output)` after each module's forward.
+
+    A hook that returns a value replaces the module's output (used to splice an SAE in).
+    """
+    handles = [
+        m.register_forward_hook(lambda mod, inp, out, _n=name: hook(_n, mod, inp, out))
+        for name, m in modules.items()
+    ]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+class StopForward(Exception):
+    """Raised from a hook to skip the rest of a forward pass once the wanted layer has run."""
+
+
+def output_tensor(output: Any) -> torch.Tensor:
+    """The hidden-state tensor of a module output (decoder layers return tuples)."""
+    return output[0] if isinstance(output, tuple) else output

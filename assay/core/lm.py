@@ -1,0 +1,47 @@
+"""Per-example language-model losses: the quantity every pillar starts from."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from assay.core.data import Examples, collate, token_batches
+from assay.core.precision import PrecisionPolicy, full_precision
+from assay.core.progress import Progress
+
+
+def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """[B, T] cross-entropy of each next-token target in fp32 (0 where labels are -100)."""
+    shift_logits = logits[:, :-1].float()  # [B, T-1, V]
+    shift_labels = labels[:, 1:]  # [B, T-1]
+    loss = F.cross_entropy(shift_logits.transpose(1, 2), shift_labels, ignore_index=-100, reduction="none")
+    return F.pad(loss, (1, 0))
+
+
+def example_losses(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """[B] summed token loss of each example (the loss whose gradient we attribute)."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    with full_precision(logits.device):
+        return token_losses(logits, batch["labels"]).sum(dim=1)
+
+
+@torch.no_grad()
+def evaluate_losses(
+    model: torch.nn.Module,
+    examples: Examples,
+    policy: PrecisionPolicy,
+    pad_id: int,
+    token_batch_size: int = 4096,
+    desc: str = "loss",
+) -> np.ndarray:
+    """[N] summed loss of each example, in the examples' order."""
+    out = np.zeros(len(examples), dtype=np.float64)
+    with Progress(len(examples), desc) as bar:
+        for positions in token_batches(examples, token_batch_size):
+            batch = collate(examples, positions, pad_id, policy.device)
+            with policy.autocast():
+                losses = example_losses(model, batch)
+            out[positions] = losses.double().cpu().numpy()
+            bar.update(len(positions), int(batch["attention_mask"].sum()))
+    return out

@@ -1,0 +1,1 @@
+"""Sparse autoencoders on language-model activations."""

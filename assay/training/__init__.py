@@ -1,0 +1,1 @@
+"""Fine-tuning and evaluation of causal LMs (used by retraining experiments)."""
