@@ -1,0 +1,239 @@
+"""Per-example projected gradients of linear layers, without ever forming `.grad`.
+
+For a linear layer y = W a (+ b), the per-example weight gradient is ∇W = Σ_t g_t a_tᵀ with
+a_t the layer input and g_t = ∂L/∂y_t at token t. A forward hook records a_t (projected at
+once: A P_inᵀ, [B, T, p]); a tensor hook on the output receives g_t in the backward and
+finishes the block (G P_outᵀ)ᵀ (A P_inᵀ) = P_out ∇W P_inᵀ with one batched matmul.
+
+Why this is cheaper than a training step: every weight has `requires_grad=False` while
+collecting, so autograd never runs the weight-gradient GEMM nor materialises `.grad`; the
+backward still reaches the hooked layers because a hooked output that does not require
+grad (the first layer's, whose inputs are constants) is turned into a leaf that does.
+
+Precision: under autocast a forward hook sees fp32 or bf16 inputs and the backward hook
+sees bf16 gradients. Both are cast to fp32 explicitly, inside an autocast-off region, before
+projection, so products and sums accumulate in fp32 whatever the compute dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+
+from assay.attribution.projection import Projector
+from assay.core.errors import AssayError
+from assay.core.hooks import match_modules
+from assay.core.precision import STATS_DTYPE, PrecisionPolicy, check_finite, full_precision
+
+Objective = Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]
+"""(model, batch) -> [B] per-example scalars whose gradients are collected."""
+
+DEFAULT_MODULES: tuple[str, ...] = ("!*lm_head",)
+FP16_INITIAL_SCALE = 2.0**12
+FP16_MAX_RETRIES = 12
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """GPT-2's Conv1D: a linear layer whose weight is stored (in, out)."""
+    return type(module).__name__ == "Conv1D" and getattr(module, "weight", None) is not None
+
+
+def is_linear(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or is_conv1d(module)
+
+
+def linear_modules(model: nn.Module, patterns: tuple[str, ...] = DEFAULT_MODULES) -> dict[str, nn.Module]:
+    """Trainable linear layers (nn.Linear, Conv1D) matching the glob patterns (`!` excludes).
+
+    "Trainable" means weight.requires_grad: with a LoRA adapter only its A/B layers qualify.
+    """
+    found = {n: m for n, m in model.named_modules() if is_linear(m) and m.weight.requires_grad}
+    chosen = match_modules(list(found), patterns)
+    if not chosen:
+        sample = ", ".join(list(found)[:6]) or "none"
+        raise AssayError(f"no trainable linear module matches --modules {' '.join(patterns)}; some: {sample}")
+    return {n: found[n] for n in chosen}
+
+
+@dataclass
+class ModuleSlot:
+    """Where one module's block lives in a gradient row."""
+
+    name: str
+    in_features: int
+    out_features: int
+    conv1d: bool
+    start: int
+    stop: int
+    shape: tuple[int, int]  # stored block shape: (p, p); raw: weight's own layout
+
+
+def layout(modules: dict[str, nn.Module], projection_dim: int) -> list[ModuleSlot]:
+    """Column slices of each module, in model order."""
+    slots, start = [], 0
+    for name, m in modules.items():
+        conv = is_conv1d(m)
+        rows, cols = (int(d) for d in m.weight.shape)  # type: ignore[union-attr]
+        in_f, out_f = (rows, cols) if conv else (cols, rows)
+        shape = (projection_dim, projection_dim) if projection_dim > 0 else (rows, cols)
+        size = shape[0] * shape[1]
+        slots.append(ModuleSlot(name, in_f, out_f, conv, start, start + size, shape))
+        start += size
+    return slots
+
+
+class GradientCollector:
+    """Context manager: hooks on enter, hooks removed and `requires_grad` restored on exit.
+
+    `normalizer` (see normalizers.py) supplies per-module fp32 `scales(name)` -> (s_out, s_in)
+    vectors (Adafactor: applied to g and a before projection) or `full(name)` -> [out, in]
+    inverse-root second moments (Adam: needs the full per-example gradient).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        modules: dict[str, nn.Module],
+        projector: Projector,
+        policy: PrecisionPolicy,
+        normalizer: Any = None,
+    ):
+        self.model, self.modules, self.projector, self.policy = model, modules, projector, policy
+        self.normalizer = normalizer
+        self.slots = layout(modules, projector.dim)
+        self.dim = self.slots[-1].stop
+        self._device = policy.device
+        self._mats: dict[tuple[str, str], torch.Tensor | None] = {}
+        self._saved: dict[str, list[torch.Tensor | None]] = {}
+        self._mask: torch.Tensor | None = None
+        self._out: torch.Tensor | None = None
+        self._handles: list[Any] = []
+        self._requires_grad: dict[str, bool] = {}
+
+    # --- set-up -----------------------------------------------------------------------------
+    def __enter__(self) -> GradientCollector:
+        self._requires_grad = {n: p.requires_grad for n, p in self.model.named_parameters()}
+        for p in self.model.parameters():
+            p.requires_grad_(False)  # no weight-gradient GEMMs, no .grad
+        for slot in self.slots:
+            self._prepare_side(slot, "in", slot.in_features)
+            self._prepare_side(slot, "out", slot.out_features)
+            hook = partial(self._forward_hook, slot)
+            self._handles.append(self.modules[slot.name].register_forward_hook(hook))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        for n, p in self.model.named_parameters():
+            p.requires_grad_(self._requires_grad.get(n, p.requires_grad))
+        self._saved.clear()
+
+    def _uses_full(self, name: str) -> bool:
+        return self.normalizer is not None and self.normalizer.kind == "adam"
+
+    def _prepare_side(self, slot: ModuleSlot, side: str, size: int) -> None:
+        """The fp32 matrix a side is multiplied by: P (p × size), P·diag(s), diag(s) or None."""
+        mat: torch.Tensor | None = None
+        scale = None
+        if self.normalizer is not None and self.normalizer.kind == "adafactor":
+            s_out, s_in = self.normalizer.scales(slot.name)
+            scale = (s_in if side == "in" else s_out).to(self._device, STATS_DTYPE)
+        if self.projector.dim > 0 and not self._uses_full(slot.name):
+            mat = self.projector.matrix(slot.name, side, size, self._device)
+            if scale is not None:
+                mat = mat * scale[None, :]  # Adafactor folded into the projection: free
+        elif scale is not None:
+            mat = scale  # raw gradients: a diagonal scale only
+        self._mats[(slot.name, side)] = mat
+
+    # --- hooks ------------------------------------------------------------------------------
+    def _side(self, slot: ModuleSlot, side: str, x: torch.Tensor) -> torch.Tensor:
+        """[B, ..., f] -> [B, T, p] (or [B, T, f] raw), fp32, masked by the attention mask."""
+        x = x.reshape(x.shape[0], -1, x.shape[-1]).to(STATS_DTYPE)  # explicit cast: never promotion
+        mat = self._mats[(slot.name, side)]
+        if mat is not None:
+            x = x * mat if mat.dim() == 1 else x @ mat.T
+        mask = self._mask
+        if mask is not None and mask.shape == x.shape[:2]:
+            x = x * mask[:, :, None].to(STATS_DTYPE)  # padding contributes exactly nothing
+        return x
+
+    def _forward_hook(self, slot: ModuleSlot, module: nn.Module, inputs: Any, output: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return None
+        with full_precision(self._device):
+            saved = self._saved.setdefault(slot.name, [])
+            saved.append(self._side(slot, "in", inputs[0]))
+        out = output
+        if not out.requires_grad:
+            out = out.detach().requires_grad_(True)  # a leaf, so backward reaches this layer
+        out.register_hook(partial(self._backward_hook, slot, len(saved) - 1))
+        return out if out is not output else None
+
+    def _backward_hook(self, slot: ModuleSlot, call: int, grad: torch.Tensor) -> None:
+        with full_precision(self._device):
+            a = self._saved[slot.name][call]  # [B, T, p_in] fp32
+            self._saved[slot.name][call] = None
+            g = self._side(slot, "out", grad)  # [B, T, p_out] fp32
+            assert a is not None and self._out is not None
+            if self._uses_full(slot.name):
+                block = self._normalized_full(slot, g, a)
+            elif slot.conv1d and self.projector.dim == 0:
+                block = torch.bmm(a.transpose(1, 2), g)  # [B, in, out]: Conv1D's own layout
+            else:
+                block = torch.bmm(g.transpose(1, 2), a)  # [B, p_out, p_in] (raw: [B, out, in])
+            self._out[:, slot.start : slot.stop] += block.reshape(block.shape[0], -1)
+
+    def _normalized_full(self, slot: ModuleSlot, g: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        """Adam: the full per-example gradient [B, out, in] divided by sqrt(v) + eps, then projected."""
+        full = torch.bmm(g.transpose(1, 2), a) * self.normalizer.full(slot.name).to(self._device)
+        if self.projector.dim > 0:
+            return self.projector.project_full(slot.name, full)
+        return full.transpose(1, 2) if slot.conv1d else full
+
+    # --- one batch --------------------------------------------------------------------------
+    def gradients(
+        self, batch: dict[str, torch.Tensor], objective: Objective
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """([B, D] fp32 per-example gradients, [B] fp32 objective values) for one batch.
+
+        fp16: the objective is multiplied by a loss scale before backward and the results
+        divided by it in fp32; on overflow the batch is retried at half the scale.
+        """
+        scale = FP16_INITIAL_SCALE if self.policy.uses_loss_scaling else 1.0
+        for _ in range(FP16_MAX_RETRIES):
+            grads, values = self._attempt(batch, objective, scale)
+            finite = bool(torch.isfinite(grads).all())
+            if finite or not self.policy.uses_loss_scaling:
+                break
+            scale /= 16.0
+        check_finite(values, "per-example losses", self.policy)
+        check_finite(grads, "per-example gradients", self.policy)
+        return grads, values
+
+    def _attempt(
+        self, batch: dict[str, torch.Tensor], objective: Objective, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self._mask = batch.get("attention_mask")
+        self._saved = {}
+        try:
+            with torch.enable_grad(), self.policy.autocast():
+                values = objective(self.model, batch)  # [B]
+            values = values.to(STATS_DTYPE)
+            if not values.requires_grad:
+                raise AssayError("the objective does not depend on any of the collected modules")
+            self._out = torch.zeros(values.shape[0], self.dim, dtype=STATS_DTYPE, device=self._device)
+            (values.sum() * scale).backward()
+            grads = self._out / scale if scale != 1.0 else self._out
+        finally:
+            self._saved, self._mask, out = {}, None, self._out
+            self._out = None
+        del out
+        return grads, values.detach()
