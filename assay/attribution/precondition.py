@@ -1,0 +1,146 @@
+"""TrackStar preconditioning: per-module R^{-1/2} from mixed train and query second moments.
+
+For each module m (block-diagonal; the projected gradient of one module is a vector of d_m
+numbers) the second moment R_m = E[g gᵀ] is estimated on the training sample (saved in the
+index as a sum and a count) and on the queries. TrackStar (Chang et al. 2024, arXiv 2410.17413)
+mixes them, R = λ·R_query + (1−λ)·R_train, so that directions every query shares ("template"
+directions: the ABC header, the prompt format) are down-weighted. R is eigendecomposed in fp64,
+damped by `damping × mean eigenvalue`, and R^{-1/2} is applied to *both* sides before
+unit-normalisation, so the cosine is taken in the whitened space.
+
+Automatic λ (TrackStar §A.1.3): sort the eigenvalues of R_query and R_train (pooled over all
+modules) and choose λ so the two curves λ·σ_q and (1−λ)·σ_t cross at component k, i.e. the
+top k query directions (k ≈ 1.5% of the dimensions; 1000 of 65,536 in the paper) are where the
+query statistics dominate and get down-weighted:  λ = σ_t[k] / (σ_q[k] + σ_t[k]).
+With the training set as its own queries the curves coincide and λ = 1/2 (R = R_train).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from assay.core.errors import AssayError
+from assay.core.precision import LINALG_DTYPE, STATS_DTYPE
+
+MIX_FRACTION = 1000 / 65536
+"""Fraction of the dimensions the automatic λ down-weights (TrackStar: 1000 of 65,536)."""
+
+
+def second_moment_sums(grads: torch.Tensor, slices: dict[str, slice]) -> dict[str, torch.Tensor]:
+    """Per-module Σ g gᵀ in fp64 of rows `grads` [N, D]: {name: [d_m, d_m]}."""
+    g = grads.to(LINALG_DTYPE)
+    return {name: g[:, sl].T @ g[:, sl] for name, sl in slices.items()}
+
+
+def eigenvalues(moments: dict[str, torch.Tensor]) -> torch.Tensor:
+    """All eigenvalues of the block-diagonal matrix, descending, fp64, clamped at 0."""
+    vals = [torch.linalg.eigvalsh(m.to(LINALG_DTYPE)) for m in moments.values()]
+    return torch.cat(vals).clamp_min(0).sort(descending=True).values
+
+
+def auto_mix(
+    r_query: dict[str, torch.Tensor], r_train: dict[str, torch.Tensor], fraction: float = MIX_FRACTION
+) -> float:
+    """TrackStar's λ: the query and train eigenvalue curves cross at component k.
+
+    k is `fraction` of the total dimension, capped by the number of non-zero query eigenvalues
+    (a few queries span few directions: past them σ_q is 0 and λ would be 1).
+    """
+    sq, st = eigenvalues(r_query), eigenvalues(r_train)
+    rank_q = int((sq > sq[0] * 1e-10).sum()) if sq.numel() and sq[0] > 0 else 0
+    if rank_q == 0 or st.numel() == 0 or st[0] <= 0:
+        raise AssayError("cannot choose --mix automatically: the query or train gradients are all zero")
+    k = min(max(int(round(fraction * len(sq))), 1), rank_q) - 1
+    return float(st[k] / (sq[k] + st[k]))
+
+
+def mix_moments(
+    r_query: dict[str, torch.Tensor], r_train: dict[str, torch.Tensor], mix: float
+) -> dict[str, torch.Tensor]:
+    """R = mix·R_query + (1−mix)·R_train per module (fp64)."""
+    if not 0.0 <= mix <= 1.0:
+        raise AssayError(f"--mix must be in [0, 1], got {mix}")
+    if set(r_query) != set(r_train):
+        raise AssayError("query and train second moments cover different modules")
+    return {n: mix * r_query[n].to(LINALG_DTYPE) + (1 - mix) * r_train[n].to(LINALG_DTYPE) for n in r_train}
+
+
+def inverse_sqrt(moment: torch.Tensor, damping: float) -> tuple[torch.Tensor, float]:
+    """(R + δI)^{-1/2} in fp64 with δ = damping × mean eigenvalue, and δ itself.
+
+    Eigenvalues are clamped at 0 first (rounding can make a PSD matrix slightly indefinite).
+    """
+    vals, vecs = torch.linalg.eigh(moment.to(LINALG_DTYPE))
+    vals = vals.clamp_min(0)
+    delta = damping * float(vals.mean())
+    if delta <= 0:
+        tiny = torch.finfo(LINALG_DTYPE).tiny
+        delta = max(delta, float(vals.max()) * 1e-12, tiny)
+    return (vecs * (vals + delta).rsqrt()) @ vecs.T, delta
+
+
+@dataclass
+class Whitening:
+    """Per-module W_m = (R_m + δ_m I)^{-1/2}, stored fp32 (computed in fp64); W is symmetric."""
+
+    slices: dict[str, slice]  # module name -> columns of the concatenated gradient
+    matrices: dict[str, torch.Tensor]  # name -> [d_m, d_m] fp32
+    mix: float = 0.0
+    damping: dict[str, float] = field(default_factory=dict)  # name -> δ_m actually added
+
+    def to(self, device: torch.device | str) -> Whitening:
+        mats = {n: w.to(device) for n, w in self.matrices.items()}
+        return Whitening(self.slices, mats, self.mix, self.damping)
+
+    def apply(self, x: torch.Tensor, times: int = 1) -> torch.Tensor:
+        """W^times x for rows x [B, D] (times=2 gives R^{-1} x); fp32 out, input untouched."""
+        out = x.to(STATS_DTYPE).clone()
+        for name, sl in self.slices.items():
+            w = self.matrices[name]
+            for _ in range(times):
+                out[:, sl] = out[:, sl] @ w
+        return out
+
+    def sq_norms(self, x: torch.Tensor) -> torch.Tensor:
+        """[B] ‖W x‖² of rows x [B, D] fp32, one matmul per module, without keeping W x."""
+        total = torch.zeros(x.shape[0], dtype=STATS_DTYPE, device=x.device)
+        for name, sl in self.slices.items():
+            y = x[:, sl] @ self.matrices[name]
+            total += (y * y).sum(dim=1)
+        return total
+
+
+def build_whitening(
+    train_sums: dict[str, torch.Tensor],
+    train_count: int,
+    query_grads: torch.Tensor | None,
+    slices: dict[str, slice],
+    mix: float | None = None,
+    damping: float = 0.1,
+    mix_fraction: float = MIX_FRACTION,
+) -> Whitening:
+    """The whitening of TrackStar: R_train from saved sums, R_query from query rows [Q, D].
+
+    `mix=None` chooses λ automatically (see `auto_mix`); without query rows λ is 0.
+    """
+    if train_count <= 0:
+        raise AssayError("the index's preconditioner statistics are empty (count 0); rebuild the index")
+    missing = [n for n in slices if n not in train_sums]
+    if missing:
+        raise AssayError(f"the index's preconditioner has no statistics for module {missing[0]!r}")
+    if damping < 0:
+        raise AssayError(f"--damping must be >= 0, got {damping}")
+    r_train = {n: train_sums[n].to(LINALG_DTYPE) / train_count for n in slices}
+    if query_grads is None or query_grads.shape[0] == 0 or mix == 0.0:
+        moments, mix = r_train, 0.0
+    else:
+        r_query = {n: s / query_grads.shape[0] for n, s in second_moment_sums(query_grads, slices).items()}
+        mix = auto_mix(r_query, r_train, mix_fraction) if mix is None else mix
+        moments = mix_moments(r_query, r_train, mix)
+    matrices, deltas = {}, {}
+    for name, moment in moments.items():
+        w, deltas[name] = inverse_sqrt(moment, damping)
+        matrices[name] = w.to(STATS_DTYPE)
+    return Whitening(dict(slices), matrices, float(mix), deltas)
