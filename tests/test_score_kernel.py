@@ -78,7 +78,9 @@ def test_result_does_not_depend_on_chunking(data, chunk_rows):
     base = np.zeros((4, 1000), np.float32)
     score_rows(TensorRows(torch.from_numpy(train)), plan, scores_out=base, chunk_rows=333)
     out = np.zeros((4, 1000), np.float32)
-    top = score_rows(TensorRows(torch.from_numpy(train)), plan, top_k=3, scores_out=out, chunk_rows=chunk_rows)
+    top = score_rows(
+        TensorRows(torch.from_numpy(train)), plan, top_k=3, scores_out=out, chunk_rows=chunk_rows
+    )
     np.testing.assert_allclose(out, base, rtol=1e-5, atol=1e-7)
     assert top.top_rows.shape == (4, 3)
 
