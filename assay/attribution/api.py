@@ -1,0 +1,106 @@
+"""Attribution from Python for any torch model: collect projected gradients, then score them.
+
+    grads = collect_gradients(model, train_batches, loss_fn, projection_dim=16)
+    queries = collect_gradients(model, query_batches, loss_fn, projection_dim=16)
+    result = score(queries, grads, mode="trackstar")   # result.scores [Q, N], result.top
+
+`loss_fn(model, batch) -> [B]` returns one scalar per example (e.g. an unreduced cross-entropy
+of a classifier); batches are dicts of tensors. The same seeded projection is used for both
+calls when `projection_dim` and `seed` agree, so the two sets of rows are comparable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from assay.attribution.collector import GradientCollector, Objective, linear_modules
+from assay.attribution.kernel import TensorRows, TopRows, plan_queries, score_rows
+from assay.attribution.precondition import MIX_FRACTION, Whitening, build_whitening, second_moment_sums
+from assay.attribution.projection import Projector
+from assay.core.errors import AssayError
+from assay.core.precision import PrecisionPolicy
+
+
+@dataclass
+class Gradients:
+    """Per-example projected gradients [N, D] fp32 and the columns of each module."""
+
+    rows: torch.Tensor  # [N, D] fp32
+    modules: dict[str, slice]
+    projection_dim: int
+    seed: int
+
+
+@dataclass
+class Scores:
+    """All scores [A, N] (A = queries, or 1 when aggregated) and the top/bottom rows."""
+
+    scores: torch.Tensor  # [A, N] fp32
+    top: TopRows
+    whitening: Whitening | None
+
+
+def collect_gradients(
+    model: nn.Module,
+    batches: Iterable[dict[str, torch.Tensor]],
+    loss_fn: Objective,
+    modules: tuple[str, ...] = ("*",),
+    projection_dim: int = 16,
+    seed: int = 0,
+    precision: str = "fp32",
+) -> Gradients:
+    """Projected per-example gradients of `loss_fn` w.r.t. the linear layers matching `modules`.
+
+    Rows come out in the order of the batches' examples. The model's parameters are left as
+    they were (requires_grad is restored); no `.grad` is formed.
+    """
+    device = next(model.parameters()).device
+    policy = PrecisionPolicy.resolve(precision, device)
+    chosen = linear_modules(model, modules)
+    collector = GradientCollector(model, chosen, Projector(projection_dim, seed), policy)
+    parts = []
+    with collector:
+        for batch in batches:
+            grads, _ = collector.gradients({k: v.to(device) for k, v in batch.items()}, loss_fn)
+            parts.append(grads.cpu())
+    if not parts:
+        raise AssayError("no batches to collect gradients from")
+    slices = {s.name: slice(s.start, s.stop) for s in collector.slots}
+    return Gradients(torch.cat(parts), slices, projection_dim, seed)
+
+
+def score(
+    queries: Gradients,
+    train: Gradients,
+    mode: str = "trackstar",
+    aggregate: str = "none",
+    top_k: int = 10,
+    mix: float | None = None,
+    damping: float = 0.1,
+    mix_fraction: float = MIX_FRACTION,
+) -> Scores:
+    """Score every train row against the queries (see docs/attribution.md for the modes).
+
+    trackstar/influence use R_train estimated from all train rows, mixed with the queries'.
+    """
+    if queries.modules != train.modules or (queries.projection_dim, queries.seed) != (
+        train.projection_dim,
+        train.seed,
+    ):
+        raise AssayError("queries and train gradients were collected with different modules or projection")
+    whitening = None
+    if mode in ("trackstar", "influence"):
+        sums = second_moment_sums(train.rows, train.modules)
+        mix = (0.0 if mode == "influence" else None) if mix is None else mix
+        whitening = build_whitening(
+            sums, train.rows.shape[0], queries.rows, train.modules, mix, damping, mix_fraction
+        )
+    plan = plan_queries(queries.rows, mode, aggregate, whitening)
+    columns = 1 if aggregate != "none" else queries.rows.shape[0]
+    out = torch.zeros(columns, train.rows.shape[0])
+    top = score_rows(TensorRows(train.rows), plan, top_k, scores_out=out.numpy())
+    return Scores(out, top, whitening)
