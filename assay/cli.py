@@ -39,6 +39,11 @@ COMMANDS: dict[str, Command] = {
         "assay.training.evaluate:run_eval",
         "Per-example and mean loss of a model on a dataset.",
     ),
+    "score": Command(
+        "assay.attribution.score:ScoreConfig",
+        "assay.attribution.score:run_score",
+        "Attribute queries to the training examples of an index (TrackStar and other modes).",
+    ),
     "demo": Command(
         "assay.demo:DemoConfig",
         "assay.demo:run_demo",

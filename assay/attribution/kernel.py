@@ -67,7 +67,7 @@ class ArrayRows:
             block = np.empty((stop - start, self.dim), dtype=self.array.dtype)
             with open(path, "rb", buffering=0) as f:
                 f.seek(offset + start * self.dim * self.array.itemsize)
-                f.readinto(memoryview(block).cast("B"))  # type: ignore[attr-defined]
+                f.readinto(block.data.cast("B"))
         rows = torch.from_numpy(block).to(STATS_DTYPE)
         if self.scales is not None:
             rows *= torch.from_numpy(np.asarray(self.scales[start:stop], dtype=np.float32))[:, None]

@@ -1,0 +1,365 @@
+"""`assay score`: attribute queries to the training examples of a gradient index (TrackStar).
+
+The queries' gradients are computed with exactly the index's settings (model, adapter, modules,
+projection, normalizer, precision); the index is then streamed in chunks and scored against
+them (see kernel.py and docs/attribution.md). OUT receives `top.jsonl` (proponents and
+opponents per query or aggregate), `queries.jsonl`, `summary.json` and, with --save_scores,
+the full `scores.npy` [A, N] float32.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import tyro
+
+from assay.attribution.index import GradientIndex, open_index
+from assay.attribution.kernel import Aggregate, ArrayRows, Mode, TopRows, plan_queries, score_rows
+from assay.attribution.precondition import MIX_FRACTION, Whitening, build_whitening, second_moment_sums
+from assay.core.config import DataConfig
+from assay.core.console import note, say
+from assay.core.data import ID_COLUMN, Examples, load_table, texts_of, tokenize, tokenizer_fingerprint
+from assay.core.errors import AssayError
+from assay.core.runs import run_folder, write_json
+
+
+@dataclass
+class ScoreConfig:
+    """Attribute queries to the training examples of an index built by `assay build`."""
+
+    out: tyro.conf.Positional[str]
+    """Output folder (top.jsonl, queries.jsonl, summary.json, optional scores.npy)."""
+    index: str
+    """The gradient index folder (the OUT of `assay build`)."""
+    query_dataset: str | None = None
+    """Dataset of queries (same forms as --dataset: a file, a folder, `abc-tunes`, ...)."""
+    query_split: str = "eval"
+    """Split of the query dataset."""
+    query_text_column: str = "text"
+    """Column holding the query text."""
+    query_prompt_column: str | None = None
+    """Column holding a prompt; then only the completion's tokens carry the query's loss."""
+    query_completion_column: str | None = None
+    """Column holding the completion (with --query_prompt_column)."""
+    query_max_samples: int | None = None
+    """Use only the first N queries (after filtering)."""
+    query_filter_column: str | None = None
+    """Keep only query rows whose column equals --query_filter_value (e.g. collection)."""
+    query_filter_value: str | None = None
+    """Value --query_filter_column must equal (e.g. oneill)."""
+    query_text: tuple[str, ...] = ()
+    """Ad-hoc query texts (repeat the flag for several); scored along with --query_dataset."""
+    mode: Mode = "trackstar"
+    """trackstar: cosine after R^(-1/2) on both sides; cosine: raw gradient cosine; inner: raw
+    inner product; influence: <g_query, R^(-1) g_train> without unit normalisation."""
+    aggregate: Aggregate = "none"
+    """none: one column per query; mean: the mean query (mean of the scores); max: best query."""
+    top_k: int = 10
+    """Proponents and opponents kept per query (or aggregate)."""
+    mix: float | None = None
+    """λ in R = λ·R_query + (1-λ)·R_train. Default: TrackStar's automatic rule (trackstar mode),
+    0 (the training R alone) in influence mode."""
+    mix_fraction: float = MIX_FRACTION
+    """Fraction of the dimensions the automatic λ down-weights (TrackStar: 1000 of 65,536)."""
+    damping: float = 0.1
+    """Added to R's eigenvalues, as a multiple of their mean (per module)."""
+    save_scores: bool = False
+    """Also write every score: scores.npy [queries or 1, N] float32."""
+    chunk_rows: int = 8192
+    """Index rows scored per chunk (bounds memory; larger chunks amortise overheads)."""
+    token_batch_size: int = 2048
+    """Most tokens per batch when computing the query gradients."""
+    device: str = "auto"
+    """cpu, cuda, cuda:N or auto."""
+    show: int = 3
+    """Proponents shown per query on stdout (top.jsonl holds --top_k)."""
+    overwrite: bool = False
+    """Replace a finished run in OUT."""
+
+    def __post_init__(self) -> None:
+        if self.query_dataset is None and not self.query_text:
+            raise AssayError("give queries: --query_dataset DATASET and/or --query_text TEXT")
+        if self.top_k < 1 or self.chunk_rows < 1 or self.token_batch_size < 1:
+            raise AssayError("--top_k, --chunk_rows and --token_batch_size must be positive")
+        if self.mix is not None and not 0.0 <= self.mix <= 1.0:
+            raise AssayError(f"--mix must be in [0, 1], got {self.mix}")
+        if self.damping < 0 or not 0.0 < self.mix_fraction <= 1.0:
+            raise AssayError("--damping must be >= 0 and --mix_fraction in (0, 1]")
+        if (self.query_filter_column is None) != (self.query_filter_value is None):
+            raise AssayError("--query_filter_column and --query_filter_value go together")
+
+
+@dataclass
+class Queries:
+    """The queries' ids (source rows, or "text:i" for ad-hoc texts), texts and examples."""
+
+    ids: list[Any]
+    texts: list[str]
+    examples: Examples
+
+
+def query_data_config(cfg: ScoreConfig, index: GradientIndex) -> DataConfig:
+    """The query dataset as a DataConfig, cut to the index's max_length."""
+    assert cfg.query_dataset is not None
+    return DataConfig(
+        dataset=cfg.query_dataset,
+        split=cfg.query_split,
+        text_column=cfg.query_text_column,
+        prompt_column=cfg.query_prompt_column,
+        completion_column=cfg.query_completion_column,
+        max_samples=cfg.query_max_samples,
+        max_length=int(index.meta["data"]["max_length"]),
+        filter_column=cfg.query_filter_column,
+        filter_value=cfg.query_filter_value,
+    )
+
+
+def load_queries(cfg: ScoreConfig, index: GradientIndex, tokenizer: Any) -> Queries:
+    """Tokenize the dataset queries and the ad-hoc texts with the index's tokenizer."""
+    import datasets
+
+    parts: list[Queries] = []
+    if cfg.query_dataset is not None:
+        data_cfg = query_data_config(cfg, index)
+        table = load_table(data_cfg)
+        ids: list[Any] = [int(i) for i in table[ID_COLUMN]]
+        parts.append(Queries(ids, texts_of(table, data_cfg), tokenize(table, data_cfg, tokenizer)))
+    if cfg.query_text:
+        texts = list(cfg.query_text)
+        table = datasets.Dataset.from_dict({"text": texts, ID_COLUMN: list(range(len(texts)))})
+        text_cfg = DataConfig(dataset="query_text", max_length=int(index.meta["data"]["max_length"]))
+        parts.append(
+            Queries([f"text:{i}" for i in range(len(texts))], texts, tokenize(table, text_cfg, tokenizer))
+        )
+    queries = Queries(
+        [i for p in parts for i in p.ids],
+        [t for p in parts for t in p.texts],
+        _concat_examples([p.examples for p in parts]),
+    )
+    empty = [q for q, n in zip(queries.ids, queries.examples.num_loss_tokens()) if n == 0]
+    if empty:
+        raise AssayError(f"query {empty[0]!r} has no tokens that carry loss (empty text or completion?)")
+    return queries
+
+
+def _concat_examples(parts: list[Examples]) -> Examples:
+    if len(parts) == 1:
+        return parts[0]
+    shifts = np.cumsum([0] + [len(p.tokens) for p in parts[:-1]])
+    return Examples(
+        ids=np.concatenate([p.ids for p in parts]),
+        offsets=np.concatenate([parts[0].offsets[:1]] + [p.offsets[1:] + s for p, s in zip(parts, shifts)]),
+        tokens=np.concatenate([p.tokens for p in parts]),
+        loss_start=np.concatenate([p.loss_start for p in parts]),
+    )
+
+
+def check_compatible(index: GradientIndex, setup: Any) -> None:
+    """Refuse a model, tokenizer, projection or module set other than the index's (one line)."""
+    from assay.core.models import model_fingerprint
+
+    meta = index.meta
+    if model_fingerprint(setup.model) != meta["model"]["fingerprint"]:
+        raise AssayError(
+            f"the model differs from the one {index.path} was built with ({meta['model']['name']})"
+        )
+    if tokenizer_fingerprint(setup.tokenizer) != meta["model"]["tokenizer_fingerprint"]:
+        raise AssayError(f"the tokenizer differs from the one {index.path} was built with")
+    if (setup.projector.dim, setup.projector.seed) != (meta["projection_dim"], meta["projection_seed"]):
+        raise AssayError(
+            f"projection p={setup.projector.dim} seed={setup.projector.seed} differs from the index's "
+            f"(p={meta['projection_dim']}, seed={meta['projection_seed']})"
+        )
+    if list(setup.modules) != list(index.modules):
+        raise AssayError(
+            f"the gradient modules differ from the {len(index.modules)} the index was built with"
+        )
+
+
+def whitening_for(
+    index: GradientIndex, queries: torch.Tensor, mode: str, mix: float | None, damping: float, fraction: float
+) -> Whitening | None:
+    """TrackStar's R^(-1/2) from the index's saved statistics (or a pass over its rows) and the queries."""
+    if mode not in ("trackstar", "influence"):
+        return None
+    try:
+        sums, count = index.preconditioner_stats()
+    except AssayError:
+        note(f"{index.path} has no saved preconditioner statistics: computing them from all its rows")
+        sums, count = stream_moment_sums(index, 8192), len(index)
+    if mode == "influence" and mix is None:
+        mix = 0.0  # influence functions use the training Hessian
+    return build_whitening(sums, count, queries, index.modules, mix, damping, fraction)
+
+
+def stream_moment_sums(index: GradientIndex, chunk_rows: int) -> dict[str, torch.Tensor]:
+    """Per-module Σ g gᵀ (fp64) over every index row, streamed in chunks."""
+    source = ArrayRows(index.gradients)
+    sums: dict[str, torch.Tensor] = {}
+    for start in range(0, source.num_rows, chunk_rows):
+        part = second_moment_sums(source.read(start, min(start + chunk_rows, source.num_rows)), index.modules)
+        sums = {n: sums.get(n, 0) + s for n, s in part.items()}  # type: ignore[misc]
+    return sums
+
+
+def score_index(
+    index: GradientIndex,
+    queries: torch.Tensor,
+    mode: str = "trackstar",
+    aggregate: str = "none",
+    top_k: int = 10,
+    mix: float | None = None,
+    damping: float = 0.1,
+    mix_fraction: float = MIX_FRACTION,
+    scores_out: np.ndarray | None = None,
+    chunk_rows: int = 8192,
+) -> tuple[TopRows, Whitening | None]:
+    """Score query gradients [Q, D] (computed like the index's rows) against every index row."""
+    if queries.shape[-1] != index.dim:
+        raise AssayError(f"query gradients have {queries.shape[-1]} dimensions, the index {index.dim}")
+    whitening = whitening_for(index, queries, mode, mix, damping, mix_fraction)
+    plan = plan_queries(queries, mode, aggregate, whitening)
+    from tqdm.auto import tqdm
+
+    with tqdm(total=len(index), desc="score", unit="row", unit_scale=True, mininterval=1.0) as bar:
+
+        def advance(done: int) -> None:
+            bar.update(done - bar.n)
+
+        top = score_rows(ArrayRows(index.gradients), plan, top_k, scores_out, chunk_rows, advance)
+    return top, whitening
+
+
+# --- the command --------------------------------------------------------------------------------
+def run_score(cfg: ScoreConfig) -> dict[str, Any]:
+    """Compute the queries' gradients like the index's, score, write OUT, print the table."""
+    from assay.attribution.build import collect, setup_from_index
+
+    index = open_index(cfg.index)
+    with run_folder(cfg.out, "score", cfg, cfg.overwrite) as run:
+        setup = setup_from_index(index, cfg.device)
+        check_compatible(index, setup)
+        queries = load_queries(cfg, index, setup.tokenizer)
+        grads = torch.from_numpy(collect(setup, queries.examples, cfg.token_batch_size))  # [Q, D] fp32
+        zero = [q for q, n in zip(queries.ids, grads.norm(dim=1)) if float(n) == 0.0]
+        if zero:
+            raise AssayError(f"query {zero[0]!r} has an all-zero gradient; it cannot be attributed")
+        columns = len(queries.ids) if cfg.aggregate == "none" else 1
+        scores_out = None
+        if cfg.save_scores:
+            scores_out = np.lib.format.open_memmap(
+                run.path / "scores.npy", mode="w+", dtype=np.float32, shape=(columns, len(index))
+            )
+        start = time.perf_counter()
+        top, whitening = score_index(
+            index, grads, cfg.mode, cfg.aggregate, cfg.top_k, cfg.mix, cfg.damping, cfg.mix_fraction,
+            scores_out, cfg.chunk_rows,
+        )  # fmt: skip
+        seconds = time.perf_counter() - start
+        if scores_out is not None:
+            scores_out.flush()
+            del scores_out
+        records = top_records(index, queries.ids, top, cfg.aggregate)
+        _write_jsonl(run.path / "top.jsonl", records)
+        _write_jsonl(
+            run.path / "queries.jsonl", [{"query": q, "text": t} for q, t in zip(queries.ids, queries.texts)]
+        )
+        summary = {
+            "index": str(index.path),
+            "mode": cfg.mode,
+            "aggregate": cfg.aggregate,
+            "num_queries": len(queries.ids),
+            "num_rows": len(index),
+            "mix": whitening.mix if whitening else None,
+            "damping": cfg.damping,
+            "precision": setup.policy.name,
+            "score_seconds": seconds,
+            "rows_per_s": len(index) / max(seconds, 1e-9),
+        }
+        write_json(run.path / "summary.json", summary)
+    print_table(index, records, dict(zip(queries.ids, queries.texts)), cfg.show)
+    say(f"results in {cfg.out}/ (top.jsonl, queries.jsonl{', scores.npy' if cfg.save_scores else ''})")
+    return summary
+
+
+def top_records(index: GradientIndex, query_ids: list[Any], top: TopRows, aggregate: str) -> list[dict]:
+    """One record per score column: proponents and opponents as [train_id, score] pairs."""
+    names = query_ids if aggregate == "none" else [aggregate]
+    records = []
+    for col, name in enumerate(names):
+        record: dict[str, Any] = {"query": name}
+        if aggregate != "none":
+            record["queries"] = query_ids
+        for key, rows, values in (
+            ("proponents", top.top_rows, top.top_values),
+            ("opponents", top.bottom_rows, top.bottom_values),
+        ):
+            record[key] = [
+                [int(index.ids[r]), float(v)] for r, v in zip(rows[col].tolist(), values[col].tolist())
+            ]
+        records.append(record)
+    return records
+
+
+def _write_jsonl(path: Path, records: list[dict]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+    tmp.replace(path)
+
+
+def train_texts(index: GradientIndex, ids: set[int]) -> dict[int, str]:
+    """Texts of the given training ids, read through the index's saved data config."""
+    data_cfg = DataConfig(**index.meta["data"])
+    try:
+        table = load_table(data_cfg)
+    except AssayError as e:
+        note(f"training texts unavailable ({e}); showing ids only")
+        return {}
+    positions = [i for i, v in enumerate(table[ID_COLUMN]) if int(v) in ids]
+    subset = table.select(positions)
+    return dict(zip((int(v) for v in subset[ID_COLUMN]), texts_of(subset, data_cfg)))
+
+
+def fold(text: str, width: int = 90) -> str:
+    """One line: newlines shown as ' / ', cut to `width` characters."""
+    line = " / ".join(part.strip() for part in text.strip().splitlines() if part.strip())
+    return line if len(line) <= width else line[: width - 1] + "…"
+
+
+def print_table(index: GradientIndex, records: list[dict], query_texts: dict[Any, str], show: int) -> None:
+    """Each query's text, then its top proponents: rank, score, train id, text."""
+    wanted = {pid for r in records for pid, _ in r["proponents"][:show] + r["opponents"][:1]}
+    texts = train_texts(index, wanted)
+    for r in records:
+        label = r["query"]
+        text = query_texts.get(label) or f"{label} of {len(r.get('queries', []))} queries"
+        say(f"\nquery {label}: {fold(text)}")
+        say(f"  {'rank':>4}  {'score':>8}  {'train id':>8}  text")
+        for rank, (pid, value) in enumerate(r["proponents"][:show], 1):
+            say(f"  {rank:>4}  {value:>8.4f}  {pid:>8}  {fold(texts.get(pid, ''), 70)}")
+        if r["opponents"]:
+            pid, value = r["opponents"][0]
+            say(f"  {'opp.':>4}  {value:>8.4f}  {pid:>8}  {fold(texts.get(pid, ''), 70)}")
+
+
+def score_demo(index_dir: str, out_dir: str, queries: int = 3, overwrite: bool = False) -> dict[str, Any]:
+    """The README's main job: attribute held-out O'Neill tunes to the ABC training tunes."""
+    cfg = ScoreConfig(
+        out=out_dir,
+        index=index_dir,
+        query_dataset="abc-tunes",
+        query_split="eval",
+        query_filter_column="collection",
+        query_filter_value="oneill",
+        query_max_samples=queries,
+        overwrite=overwrite,
+    )
+    return run_score(cfg)
