@@ -1,0 +1,88 @@
+"""Which examples a fine-tune trains on, and in what order.
+
+Order is a plan of example *ids* per epoch, saved as `order.json` by every run. A subset
+run with `--ordered FULL_RUN` replays the full run's plan, skipping ids it does not have,
+so a comparison between subsets is not confounded by the order the data was seen in.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from assay.core.errors import AssayError
+from assay.core.runs import read_json
+
+ORDER_FILE = "order.json"
+SELECTION_FILES = ("selected_ids.txt", "selection.jsonl")
+
+
+def read_ids(path: str | Path) -> np.ndarray:
+    """Example ids from an `assay filter` folder, a .txt (one per line), .json, .jsonl or .npy."""
+    path = Path(path)
+    if path.is_dir():
+        for name in SELECTION_FILES:
+            if (path / name).exists():
+                return read_ids(path / name)
+        raise AssayError(
+            f"{path} holds no selection ({' or '.join(SELECTION_FILES)}); is it an assay filter run?"
+        )
+    if not path.exists():
+        raise AssayError(f"subset file {path} not found")
+    if path.suffix == ".npy":
+        ids = np.load(path, allow_pickle=False)
+    elif path.suffix == ".jsonl":
+        ids = np.array([json.loads(line)["id"] for line in path.read_text().splitlines() if line.strip()])
+    elif path.suffix == ".json":
+        data = read_json(path)
+        ids = np.asarray(data["ids"] if isinstance(data, dict) else data)
+    else:
+        ids = np.array([int(w) for w in path.read_text().split()])
+    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+    if len(ids) == 0:
+        raise AssayError(f"subset {path} is empty")
+    if len(np.unique(ids)) != len(ids):
+        raise AssayError(f"subset {path} lists some example ids more than once")
+    return ids
+
+
+def shuffled_plan(ids: np.ndarray, num_epochs: int, seed: int) -> list[np.ndarray]:
+    """A fresh permutation of `ids` per epoch, from (seed, epoch) only."""
+    return [ids[np.random.default_rng([seed, epoch]).permutation(len(ids))] for epoch in range(num_epochs)]
+
+
+def replayed_plan(full_run: str | Path, ids: np.ndarray, num_epochs: int) -> list[np.ndarray]:
+    """The full run's visit order restricted to `ids` (non-selected examples skipped)."""
+    path = Path(full_run) / ORDER_FILE
+    if not path.exists():
+        raise AssayError(
+            f"--ordered {full_run}: no {ORDER_FILE} there; point it at a finished assay finetune run"
+        )
+    epochs = [np.asarray(e, dtype=np.int64) for e in read_json(path)["epochs"]]
+    if num_epochs > len(epochs):
+        raise AssayError(
+            f"--ordered {full_run} recorded {len(epochs)} epoch(s); this run asks for {num_epochs}. "
+            "Use --num_epochs <= the full run's"
+        )
+    missing = np.setdiff1d(ids, epochs[0])
+    if len(missing):
+        raise AssayError(f"--ordered {full_run} never visited example id {int(missing[0])} of this subset")
+    keep = set(ids.tolist())
+    return [np.array([i for i in e if int(i) in keep], dtype=np.int64) for e in epochs[:num_epochs]]
+
+
+def write_plan(path: Path, plan: list[np.ndarray]) -> None:
+    from assay.core.runs import write_json
+
+    write_json(path, {"epochs": [e.tolist() for e in plan]})
+
+
+def step_batches(plan: list[np.ndarray], effective_batch_size: int) -> list[tuple[int, np.ndarray]]:
+    """Cut each epoch's ids into optimizer steps of `effective_batch_size` (the last may be short)."""
+    steps = []
+    for epoch, ids in enumerate(plan):
+        for start in range(0, len(ids), effective_batch_size):
+            steps.append((epoch, ids[start : start + effective_batch_size]))
+    return steps
