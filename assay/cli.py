@@ -39,6 +39,11 @@ COMMANDS: dict[str, Command] = {
         "assay.training.evaluate:run_eval",
         "Per-example and mean loss of a model on a dataset.",
     ),
+    "build": Command(
+        "assay.attribution.build:BuildConfig",
+        "assay.attribution.build:run_build",
+        "Per-example projected loss gradients of a dataset, streamed to an on-disk index.",
+    ),
     "score": Command(
         "assay.attribution.score:ScoreConfig",
         "assay.attribution.score:run_score",

@@ -114,6 +114,7 @@ class GradientCollector:
         self._out: torch.Tensor | None = None
         self._handles: list[Any] = []
         self._requires_grad: dict[str, bool] = {}
+        self._inv_sqrt_v: dict[str, torch.Tensor] = {}  # Adam: [out, in] fp32 1 / (sqrt(v) + eps)
 
     # --- set-up -----------------------------------------------------------------------------
     def __enter__(self) -> GradientCollector:
@@ -121,6 +122,8 @@ class GradientCollector:
         for p in self.model.parameters():
             p.requires_grad_(False)  # no weight-gradient GEMMs, no .grad
         for slot in self.slots:
+            if self._uses_full(slot.name):
+                self._inv_sqrt_v[slot.name] = self.normalizer.full(slot.name).to(self._device)
             self._prepare_side(slot, "in", slot.in_features)
             self._prepare_side(slot, "out", slot.out_features)
             hook = partial(self._forward_hook, slot)
@@ -193,7 +196,7 @@ class GradientCollector:
 
     def _normalized_full(self, slot: ModuleSlot, g: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
         """Adam: the full per-example gradient [B, out, in] divided by sqrt(v) + eps, then projected."""
-        full = torch.bmm(g.transpose(1, 2), a) * self.normalizer.full(slot.name).to(self._device)
+        full = torch.bmm(g.transpose(1, 2), a) * self._inv_sqrt_v[slot.name]  # [B, out, in]
         if self.projector.dim > 0:
             return self.projector.project_full(slot.name, full)
         return full.transpose(1, 2) if slot.conv1d else full

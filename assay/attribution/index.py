@@ -92,7 +92,7 @@ def open_index(path: Path | str) -> GradientIndex:
         raise AssayError(f"no index at {path}")
     if not (path / META_FILE).exists():
         raise AssayError(f"{path} is not a gradient index (no {META_FILE}); build one with `assay build`")
-    if not (path / DONE_FILE).exists() and not path.name.endswith(".part"):
+    if not (path / DONE_FILE).exists():
         raise AssayError(f"{path} is an incomplete index; rerun `assay build` with the same arguments")
     meta = read_json(path / META_FILE)
     try:

@@ -1,0 +1,314 @@
+"""`assay build`: one projected loss gradient per example, streamed to a memory-mapped index.
+
+Resumable: batches come in a deterministic (length-sorted) order; after each batch the rows
+are flushed to `gradients.npy` and only then `progress.json` records the batch as done. A
+killed run leaves `OUT.part/`; the same command again skips the finished batches and yields
+the same index an uninterrupted run would have.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+import tyro
+from torch import nn
+
+from assay.attribution import index as ix
+from assay.attribution.collector import DEFAULT_MODULES, GradientCollector, Objective, linear_modules
+from assay.attribution.normalizers import (
+    Normalizer,
+    estimate_normalizer,
+    load_optimizer_state,
+    sample_positions,
+)
+from assay.attribution.projection import Projector
+from assay.core.config import DataConfig, ModelConfig, RuntimeConfig
+from assay.core.console import note, say
+from assay.core.data import Examples, collate, load_examples, token_batches, tokenizer_fingerprint
+from assay.core.errors import AssayError
+from assay.core.lm import example_losses
+from assay.core.models import load_model, load_tokenizer, model_fingerprint, setup_runtime
+from assay.core.precision import STATS_DTYPE, PrecisionPolicy, full_precision
+from assay.core.progress import Progress
+from assay.core.runs import config_from_dict, config_to_dict, read_json, run_folder, write_json
+
+PROGRESS_FILE = "progress.json"
+FLOAT16_MAX = 65504.0
+MAX_STATS_DIM = 8192  # a [d, d] fp32 matrix per module: 256 MB at this size
+
+
+@dataclass
+class BuildConfig:
+    """Compute one projected loss gradient per example and stream it to an on-disk index."""
+
+    out: tyro.conf.Positional[str]
+    """Output index folder (written as OUT.part/ and renamed when complete; resumable)."""
+    model: tyro.conf.OmitArgPrefixes[ModelConfig] = field(default_factory=ModelConfig)
+    data: tyro.conf.OmitArgPrefixes[DataConfig] = field(default_factory=DataConfig)
+    runtime: tyro.conf.OmitArgPrefixes[RuntimeConfig] = field(default_factory=RuntimeConfig)
+    modules: tuple[str, ...] = DEFAULT_MODULES
+    """Glob patterns over module names choosing the linear layers; `!` excludes. Only trainable
+    layers count (with a LoRA adapter: its A/B layers). Default: all but the output head."""
+    projection_dim: int = 16
+    """Projection width per side: each module stores a p×p block. 0 stores raw weight gradients."""
+    projection_seed: int = 0
+    """Seed of the projection matrices (queries must use the index's)."""
+    token_batch_size: int = 2048
+    """Most tokens (padding included) per batch; bounds memory."""
+    store_dtype: Literal["float32", "float16"] = "float32"
+    """Dtype of the stored rows. float32 is exact and cannot overflow; float16 halves the disk
+    and fails with a clear error (never silently) if a value exceeds 65504."""
+    normalizer: Literal["none", "adafactor", "adam"] = "none"
+    """Divide gradients by the square root of an optimizer's second moments (fp32)."""
+    optimizer_state: str | None = None
+    """An optimizer.pt (torch / HF Trainer, Adam or Adafactor) to take second moments from;
+    without it they are estimated from --normalizer_samples examples."""
+    normalizer_samples: int = 1000
+    """Examples the second moments are estimated from (when no --optimizer_state)."""
+    normalizer_beta2: float = 0.999
+    """Second-moment decay used for the estimate (Adam's default)."""
+    preconditioner: Literal["none", "trackstar"] = "none"
+    """Also save per-module sums of g gᵀ (fp32) for TrackStar's R^(-1/2) at scoring time."""
+    stats_samples: int = 10000
+    """Examples (a seeded sample of the index) the preconditioner statistics sum over."""
+    overwrite: bool = False
+    """Replace a finished index in OUT."""
+
+    def __post_init__(self) -> None:
+        if self.projection_dim < 0:
+            raise AssayError(f"--projection_dim must be >= 0, got {self.projection_dim}")
+        if self.token_batch_size < 1:
+            raise AssayError(f"--token_batch_size must be positive, got {self.token_batch_size}")
+        if self.optimizer_state and self.normalizer == "none":
+            raise AssayError("--optimizer_state needs --normalizer adafactor or adam")
+        if min(self.normalizer_samples, self.stats_samples) < 1:
+            raise AssayError("--normalizer_samples and --stats_samples must be positive")
+
+
+@dataclass
+class GradientSetup:
+    """Everything needed to compute gradients exactly as an index did."""
+
+    model: nn.Module
+    tokenizer: Any
+    policy: PrecisionPolicy
+    modules: dict[str, nn.Module]
+    projector: Projector
+    normalizer: Normalizer | None
+    pad_id: int
+
+    def collector(self) -> GradientCollector:
+        return GradientCollector(self.model, self.modules, self.projector, self.policy, self.normalizer)
+
+
+def iter_gradients(
+    setup: GradientSetup,
+    examples: Examples,
+    batches: list[np.ndarray],
+    objective: Objective | None = None,
+) -> Iterator[tuple[np.ndarray, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]:
+    """(positions, [B, D] fp32 gradients, [B] fp32 objective values, batch) per token batch."""
+    objective = objective or example_losses
+    with setup.collector() as col:
+        for positions in batches:
+            batch = collate(examples, positions, setup.pad_id, setup.policy.device)
+            grads, values = col.gradients(batch, objective)
+            yield positions, grads, values, batch
+
+
+def collect(
+    setup: GradientSetup, examples: Examples, token_batch_size: int, objective: Objective | None = None
+) -> np.ndarray:
+    """[N, D] float32 gradients of `examples`, in their order (e.g. queries for scoring)."""
+    dim = layout_dim(setup)
+    out = np.zeros((len(examples), dim), dtype=np.float32)
+    batches = token_batches(examples, token_batch_size)
+    with Progress(len(examples), "gradients") as bar:
+        for positions, grads, _, batch in iter_gradients(setup, examples, batches, objective):
+            out[positions] = grads.cpu().numpy()
+            bar.update(len(positions), int(batch["attention_mask"].sum()))
+    return out
+
+
+def layout_dim(setup: GradientSetup) -> int:
+    return setup.collector().dim
+
+
+def setup_from_index(index: ix.GradientIndex, device: str = "auto") -> GradientSetup:
+    """Load model, tokenizer, policy, modules, projector and normalizer as the index was built."""
+    cfg = config_from_dict(BuildConfig, index.meta["config"])
+    runtime = dataclasses.replace(cfg.runtime, device=device, precision=index.meta["precision"])
+    _, policy = setup_runtime(runtime)
+    tokenizer = load_tokenizer(cfg.model)
+    model = load_model(cfg.model, policy, cfg.runtime.attention)
+    if model_fingerprint(model) != index.meta["model"]["fingerprint"]:
+        raise AssayError(f"model {cfg.model.model!r} is not the one {index.path} was built with")
+    modules = linear_modules(model, cfg.modules)
+    if list(modules) != list(index.modules):
+        raise AssayError(f"{index.path}: the model's modules differ from the index's")
+    tensors = index.normalizer_tensors()
+    normalizer = Normalizer(index.meta["normalizer"], tensors) if tensors else None
+    projector = Projector(index.meta["projection_dim"], index.meta["projection_seed"])
+    return GradientSetup(model, tokenizer, policy, modules, projector, normalizer, tokenizer.pad_token_id)
+
+
+# --- the command --------------------------------------------------------------------------------
+def run_build(cfg: BuildConfig) -> dict[str, Any]:
+    with run_folder(cfg.out, "build", cfg, cfg.overwrite) as run:
+        _, policy = setup_runtime(cfg.runtime)
+        tokenizer = load_tokenizer(cfg.model)
+        _, examples = load_examples(cfg.data, tokenizer)
+        model = load_model(cfg.model, policy, cfg.runtime.attention)
+        modules = linear_modules(model, cfg.modules)
+        normalizer = _normalizer(cfg, run.path, model, modules, examples, policy, tokenizer.pad_token_id)
+        projector = Projector(cfg.projection_dim, cfg.projection_seed)
+        setup = GradientSetup(
+            model, tokenizer, policy, modules, projector, normalizer, tokenizer.pad_token_id
+        )
+        col = setup.collector()
+        meta = _metadata(cfg, setup, col, examples, tokenizer)
+        write_json(run.path / ix.META_FILE, meta)
+        np.save(run.path / ix.IDS_FILE, examples.ids.astype(np.int64))
+        summary = write_rows(setup, examples, run.path, cfg)
+        if cfg.preconditioner == "trackstar":
+            save_preconditioner_stats(run.path, meta, cfg.stats_samples, cfg.runtime.seed)
+    say(
+        f"index {cfg.out}: {len(examples)} examples × {col.dim} dims ({len(col.slots)} modules, "
+        f"p={cfg.projection_dim}, {policy.name}, stored {cfg.store_dtype}); "
+        f"{summary['tokens_per_s']:,.0f} tokens/s"
+    )
+    return {**meta, **summary}
+
+
+def _metadata(cfg: BuildConfig, setup: GradientSetup, col: GradientCollector, examples: Examples, tok: Any):
+    lora = None
+    if cfg.model.lora_rank > 0 or (Path(cfg.model.model) / "adapter_config.json").exists():
+        lora = {"rank": cfg.model.lora_rank, "alpha": cfg.model.lora_alpha, "adapter": cfg.model.model}
+    return {
+        "format": "assay-gradient-index",
+        "format_version": ix.FORMAT_VERSION,
+        "num_examples": len(examples),
+        "dim": col.dim,
+        "modules": [
+            {"name": s.name, "start": s.start, "stop": s.stop, "shape": list(s.shape)} for s in col.slots
+        ],
+        "projection_dim": cfg.projection_dim,
+        "projection_seed": cfg.projection_seed,
+        "projection": "rademacher/sqrt(p), per module and side; block = P_out · ∇W(out×in) · P_inᵀ",
+        "precision": setup.policy.name,
+        "store_dtype": cfg.store_dtype,
+        "normalizer": cfg.normalizer,
+        "preconditioner": cfg.preconditioner,
+        "model": {
+            "name": cfg.model.model,
+            "fingerprint": model_fingerprint(setup.model),
+            "tokenizer_fingerprint": tokenizer_fingerprint(tok),
+            "lora": lora,
+        },
+        "data": dataclasses.asdict(cfg.data),
+        "objective": "lm_loss",
+        "token_batch_size": cfg.token_batch_size,
+        "config": config_to_dict(cfg),
+    }
+
+
+def _normalizer(cfg, folder: Path, model, modules, examples, policy, pad_id) -> Normalizer | None:
+    """Load it from the run folder when resuming (never re-estimate), else load or estimate."""
+    if cfg.normalizer == "none":
+        return None
+    path = folder / ix.NORMALIZER_FILE
+    if path.exists():
+        return Normalizer.load(path)
+    if cfg.optimizer_state:
+        normalizer = load_optimizer_state(cfg.optimizer_state, cfg.normalizer, model, modules)
+    else:
+        sample = examples.subset(sample_positions(len(examples), cfg.normalizer_samples, cfg.runtime.seed))
+        note(f"estimating {cfg.normalizer} second moments from {len(sample)} examples")
+        normalizer = estimate_normalizer(
+            cfg.normalizer, model, modules, sample, policy, pad_id, cfg.token_batch_size, cfg.normalizer_beta2
+        )
+    normalizer.save(path)
+    return normalizer
+
+
+def _open_arrays(folder: Path, n: int, dim: int, store_dtype: str) -> tuple[np.ndarray, ...]:
+    """The row memmaps, created empty or reopened for resuming (then shapes must agree)."""
+    specs = [(ix.GRADIENTS_FILE, (n, dim), store_dtype), (ix.LOSSES_FILE, (n,), "float32")]
+    specs.append((ix.TOKENS_FILE, (n,), "int64"))
+    arrays = []
+    for name, shape, dtype in specs:
+        path = folder / name
+        arr = np.lib.format.open_memmap(path, mode="r+") if path.exists() else None
+        if arr is None or arr.shape != shape or arr.dtype != np.dtype(dtype):
+            arr = np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=shape)
+        arrays.append(arr)
+    return tuple(arrays)
+
+
+def write_rows(setup: GradientSetup, examples: Examples, folder: Path, cfg: BuildConfig) -> dict[str, Any]:
+    """Stream every example's gradient row to disk, batch by batch, resumably."""
+    dim = setup.collector().dim
+    grads_out, losses_out, tokens_out = _open_arrays(folder, len(examples), dim, cfg.store_dtype)
+    batches = token_batches(examples, cfg.token_batch_size)
+    progress = folder / PROGRESS_FILE
+    done = int(read_json(progress)["batches_done"]) if progress.exists() else 0
+    if done:
+        note(f"resuming: {done} of {len(batches)} batches already done")
+    loss_tokens = examples.num_loss_tokens()
+    initial = int(sum(len(b) for b in batches[:done]))
+    with Progress(len(examples), "build", initial=initial) as bar:
+        todo = batches[done:]
+        for k, (positions, grads, losses, batch) in enumerate(
+            iter_gradients(setup, examples, todo), done + 1
+        ):
+            grads_out[positions] = _to_store(grads, cfg.store_dtype)
+            losses_out[positions] = losses.cpu().numpy()
+            tokens_out[positions] = loss_tokens[positions]
+            for arr in (grads_out, losses_out, tokens_out):
+                arr.flush()  # type: ignore[attr-defined]
+            write_json(progress, {"batches_done": k, "num_batches": len(batches)})
+            bar.update(len(positions), int(batch["attention_mask"].sum()))
+        elapsed = max(time.perf_counter() - bar.start, 1e-9)
+        return {"tokens_per_s": bar.tokens / elapsed, "seconds": elapsed, "resumed_batches": done}
+
+
+def _to_store(grads: torch.Tensor, store_dtype: str) -> np.ndarray:
+    """[B, D] fp32 -> store dtype; float16 refuses (loudly) to overflow."""
+    rows = grads.cpu().numpy()
+    if store_dtype == "float16":
+        peak = float(np.abs(rows).max()) if rows.size else 0.0
+        if peak > FLOAT16_MAX:
+            raise AssayError(
+                f"a gradient value ({peak:.3g}) exceeds float16's range (65504); "
+                "rebuild with --store_dtype float32"
+            )
+    return rows.astype(store_dtype)
+
+
+def save_preconditioner_stats(folder: Path, meta: dict[str, Any], samples: int, seed: int) -> None:
+    """Per-module fp32 Σ g gᵀ over a seeded sample of the stored rows, autocast off."""
+    from safetensors.torch import save_file
+
+    too_big = [m["name"] for m in meta["modules"] if m["stop"] - m["start"] > MAX_STATS_DIM]
+    if too_big:
+        raise AssayError(
+            f"module {too_big[0]} has too many columns for a preconditioner; use --projection_dim"
+        )
+    grads = np.load(folder / ix.GRADIENTS_FILE, mmap_mode="r")
+    rows = sample_positions(grads.shape[0], samples, seed)
+    sums = {m["name"]: torch.zeros(m["stop"] - m["start"], m["stop"] - m["start"]) for m in meta["modules"]}
+    with full_precision("cpu"):
+        for i in range(0, len(rows), 1024):
+            chunk = torch.from_numpy(np.asarray(grads[rows[i : i + 1024]], dtype=np.float32))  # [n, D]
+            for m in meta["modules"]:
+                x = chunk[:, m["start"] : m["stop"]].to(STATS_DTYPE)
+                sums[m["name"]] += x.T @ x
+    sums["__count__"] = torch.tensor(float(len(rows)), dtype=STATS_DTYPE)
+    save_file(sums, str(folder / ix.PRECONDITIONER_FILE))
