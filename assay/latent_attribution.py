@@ -1,0 +1,243 @@
+"""Attributing a sparse-autoencoder latent to training data: where the two pillars meet.
+
+The query is not a loss but a feature: f(x) = Σ_t a_L(h_t(x)), the activation of SAE latent L
+at the SAE's hookpoint summed over the query's real tokens (attention-masked). Its gradient
+∇θ f goes through the same collector, projection, normalizer and preconditioner as the
+index's loss gradients, so the index answers "which training examples most increase this
+feature?".
+
+Sign: one SGD step on a training example z changes f by Δf ≈ -η ⟨∇θ f, ∇θ L(z)⟩. A loss query
+ranks z as a proponent when ⟨∇θ L_q, ∇θ L(z)⟩ > 0 (the step lowers the query's loss); to keep
+that meaning ("the step moves the query the way we want") the objective is -f, a loss that
+falls as the feature rises. Proponents are then the training examples whose step raises the
+latent; opponents are those whose step suppresses it.
+
+This module may see both pillars (`assay.attribution` and `assay.sae`); they never see each
+other. The SAE is read from its SAELens-format folder (cfg.json + sae_weights.safetensors),
+so SAEs trained elsewhere work too.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from assay.core.errors import AssayError
+from assay.core.hooks import StopForward, get_module, output_tensor
+from assay.core.precision import STATS_DTYPE, full_precision
+
+Activation = Literal["post", "pre"]
+SAE_WEIGHTS = "sae_weights.safetensors"
+SAE_CONFIG = "cfg.json"
+
+
+@dataclass
+class SaeWeights:
+    """An SAE as saved in SAELens format: fp32 tensors and what the encoder needs.
+
+    Shapes: W_enc [d_in, d_sae], b_enc [d_sae], W_dec [d_sae, d_in], b_dec [d_in],
+    threshold [d_sae] (jumprelu only).
+    """
+
+    W_enc: torch.Tensor
+    b_enc: torch.Tensor
+    W_dec: torch.Tensor
+    b_dec: torch.Tensor
+    threshold: torch.Tensor | None
+    architecture: str  # "standard" (relu), "topk" or "jumprelu"
+    k: int | None
+    hookpoint: str
+    apply_b_dec_to_input: bool
+    cfg: dict[str, Any]
+
+    @property
+    def d_sae(self) -> int:
+        return int(self.W_enc.shape[1])
+
+    def to(self, device: torch.device | str) -> SaeWeights:
+        for name in ("W_enc", "b_enc", "W_dec", "b_dec", "threshold"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, value.to(device))
+        return self
+
+    def pre_acts(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., d_sae] encoder pre-activations of raw activations x [..., d_in] (fp32)."""
+        x = x.to(STATS_DTYPE)
+        if self.apply_b_dec_to_input:
+            x = x - self.b_dec
+        return x @ self.W_enc + self.b_enc
+
+    def activate(self, pre: torch.Tensor) -> torch.Tensor:
+        """[..., d_sae] latent activations from pre-activations (the architecture's rule)."""
+        if self.architecture == "topk":
+            assert self.k is not None
+            vals, idx = pre.topk(min(self.k, pre.shape[-1]), dim=-1)
+            return torch.zeros_like(pre).scatter(-1, idx, F.relu(vals))
+        if self.architecture == "jumprelu":
+            assert self.threshold is not None
+            return pre * (pre > self.threshold)
+        return F.relu(pre)
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., d_sae] latent activations of raw activations x [..., d_in]."""
+        return self.activate(self.pre_acts(x))
+
+    def latent(self, x: torch.Tensor, latent: int, activation: Activation = "post") -> torch.Tensor:
+        """[...] activation of one latent, differentiable w.r.t. x.
+
+        topk: the latent counts only where it is among the k largest (the selection itself is
+        piecewise constant, so its gradient is the latent's own where selected, 0 elsewhere).
+        """
+        x = x.to(STATS_DTYPE)
+        centred = x - self.b_dec if self.apply_b_dec_to_input else x
+        pre_l = centred @ self.W_enc[:, latent] + self.b_enc[latent]  # [...]
+        if activation == "pre":
+            return pre_l
+        if self.architecture == "topk":
+            assert self.k is not None
+            with torch.no_grad():
+                pre = centred @ self.W_enc + self.b_enc  # [..., d_sae]
+                kth = pre.topk(min(self.k, pre.shape[-1]), dim=-1).values[..., -1]  # [...]
+            return F.relu(pre_l) * (pre_l >= kth)
+        if self.architecture == "jumprelu":
+            assert self.threshold is not None
+            return pre_l * (pre_l > self.threshold[latent])
+        return F.relu(pre_l)
+
+
+def _architecture(cfg: dict[str, Any], has_threshold: bool) -> str:
+    arch = str(cfg.get("architecture", "standard")).lower()
+    if arch in ("standard", "relu", "gated_as_standard"):
+        return "standard"
+    if arch in ("jumprelu", "batchtopk") or (arch not in ("topk",) and has_threshold):
+        return "jumprelu"
+    if arch == "topk":
+        return "topk"
+    raise AssayError(f"unsupported SAE architecture {arch!r} (supported: standard/relu, topk, jumprelu)")
+
+
+def load_sae(sae_dir: Path | str, hookpoint: str | None = None) -> SaeWeights:
+    """Read an SAE folder in SAELens format (cfg.json + sae_weights.safetensors), fp32."""
+    from safetensors.torch import load_file
+
+    folder = Path(sae_dir)
+    candidates = [folder, folder / "sae"] + sorted(p.parent for p in folder.glob("*/" + SAE_WEIGHTS))
+    found = next((c for c in candidates if (c / SAE_WEIGHTS).exists() and (c / SAE_CONFIG).exists()), None)
+    if found is None:
+        raise AssayError(
+            f"{folder} holds no SAE ({SAE_CONFIG} + {SAE_WEIGHTS}); train one with `assay sae train`"
+        )
+    cfg = json.loads((found / SAE_CONFIG).read_text())
+    tensors = {k: v.to(STATS_DTYPE) for k, v in load_file(str(found / SAE_WEIGHTS)).items()}
+    missing = [k for k in ("W_enc", "b_enc", "W_dec", "b_dec") if k not in tensors]
+    if missing:
+        raise AssayError(f"{found / SAE_WEIGHTS} lacks {', '.join(missing)}")
+    norm = cfg.get("normalize_activations", "none")
+    if norm not in (None, "none"):
+        raise AssayError(
+            f"{found}: normalize_activations={norm!r} is not folded into the weights; re-save it"
+        )
+    meta = cfg.get("metadata") or {}
+    hook = hookpoint or meta.get("hook_name") or cfg.get("hook_name")
+    if not hook:
+        raise AssayError(f"{found / SAE_CONFIG} names no hook_name; pass the hookpoint explicitly")
+    threshold = tensors.get("threshold")
+    arch = _architecture(cfg, threshold is not None)
+    if arch == "jumprelu" and threshold is None:
+        raise AssayError(f"{found}: a jumprelu SAE needs a `threshold` tensor")
+    k = cfg.get("k") or meta.get("k")
+    if arch == "topk" and not k:
+        raise AssayError(f"{found / SAE_CONFIG}: a topk SAE needs `k`")
+    return SaeWeights(
+        tensors["W_enc"], tensors["b_enc"], tensors["W_dec"], tensors["b_dec"], threshold, arch,
+        int(k) if k else None, str(hook), bool(cfg.get("apply_b_dec_to_input", True)), cfg,
+    )  # fmt: skip
+
+
+def _check_latent(sae: SaeWeights, latent: int) -> None:
+    if not 0 <= latent < sae.d_sae:
+        raise AssayError(f"--latent must be in [0, {sae.d_sae}), got {latent}")
+
+
+def latent_activations(
+    model: nn.Module, sae: SaeWeights, batch: dict[str, torch.Tensor], latent: int, activation: Activation
+) -> torch.Tensor:
+    """[B, T] the latent's activation per token (0 at padding), connected to the model's graph.
+
+    The forward stops right after the hookpoint (StopForward): later layers do not matter.
+    """
+    captured: list[torch.Tensor] = []
+
+    def grab(module: nn.Module, inputs: Any, output: Any) -> None:
+        captured.append(output_tensor(output))
+        raise StopForward
+
+    handle = get_module(model, sae.hookpoint).register_forward_hook(grab)
+    try:
+        model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+    except StopForward:
+        pass
+    finally:
+        handle.remove()
+    if not captured:
+        raise AssayError(f"the model's forward never reached the SAE's hookpoint {sae.hookpoint!r}")
+    h = captured[0]  # [B, T, d_in] model dtype (bf16 under autocast)
+    if h.shape[-1] != sae.W_enc.shape[0]:
+        raise AssayError(f"the SAE reads {sae.W_enc.shape[0]} dims but {sae.hookpoint} outputs {h.shape[-1]}")
+    with full_precision(h.device):  # the SAE in fp32, whatever the model's compute dtype
+        acts = sae.latent(h.to(STATS_DTYPE), latent, activation)  # [B, T]
+        return acts * batch["attention_mask"].to(STATS_DTYPE)
+
+
+def latent_objective(sae: SaeWeights, latent: int, activation: Activation = "post"):
+    """Objective (model, batch) -> [B]: minus the latent's activation summed over real tokens.
+
+    Minus, so that proponents are the training examples whose gradient step raises the latent
+    (see the module docstring). Usable with `assay.attribution.build.collect(..., objective=)`.
+    """
+    _check_latent(sae, latent)
+
+    def objective(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        device = batch["input_ids"].device
+        if sae.W_enc.device != device:
+            sae.to(device)
+        return -latent_activations(model, sae, batch, latent, activation).sum(dim=1)  # [B]
+
+    return objective
+
+
+def latent_query_gradients(
+    index: Any,
+    sae_dir: Path | str,
+    latent: int,
+    examples: Any,
+    token_batch_size: int = 2048,
+    activation: Activation = "post",
+    setup: Any = None,
+) -> np.ndarray:
+    """[Q, D] float32 query gradients of -(latent L's activation summed over each example's tokens).
+
+    Computed exactly like the index's rows (model, adapter, modules, projection, normalizer,
+    precision), so they can be scored against it: `assay.attribution.score.score_index(index,
+    torch.from_numpy(grads), ...)`. `setup` reuses an already loaded `setup_from_index(index)`.
+    """
+    from assay.attribution.build import collect, setup_from_index
+
+    setup = setup if setup is not None else setup_from_index(index)
+    sae = load_sae(sae_dir).to(setup.policy.device)
+    grads = collect(setup, examples, token_batch_size, objective=latent_objective(sae, latent, activation))
+    silent = np.flatnonzero(~np.any(grads != 0, axis=1))
+    if len(silent):
+        raise AssayError(
+            f"latent {latent} never fires on query {int(silent[0])} (all-zero gradient); pick texts where it "
+            "fires (`assay report` on the SAE run lists its top contexts) or use the pre-activation"
+        )
+    return grads
