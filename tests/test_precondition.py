@@ -50,7 +50,7 @@ def _reference_mix(train, queries, fraction):
 
     sq, st = spectrum(queries), spectrum(train)
     rank = int((sq > sq[0] * 1e-10).sum())
-    k = min(max(int(round(fraction * len(sq))), 1), rank) - 1
+    k = max(int(round(fraction * rank)), 1) - 1
     return st[k] / (sq[k] + st[k])
 
 
@@ -82,9 +82,9 @@ def test_whitening_applies_to_both_sides_blockwise():
     np.testing.assert_allclose(w.apply(t, times=2).numpy(), w.apply(w.apply(t)).numpy(), rtol=1e-5)
 
 
-@pytest.mark.parametrize("fraction", [0.01, 0.2, 0.9])
-def test_auto_mix_matches_reference(fraction):
-    train, queries = _data(2, q=8)
+@pytest.mark.parametrize("fraction,num_queries", [(0.01, 8), (0.2, 8), (0.9, 8), (0.3, 60)])
+def test_auto_mix_matches_reference(fraction, num_queries):
+    train, queries = _data(2, q=num_queries)
     t, q = torch.from_numpy(train), torch.from_numpy(queries)
     rt = {n: s / len(train) for n, s in second_moment_sums(t, _slices()).items()}
     rq = {n: s / len(queries) for n, s in second_moment_sums(q, _slices()).items()}
