@@ -85,6 +85,8 @@ class ScoreConfig:
     def __post_init__(self) -> None:
         if self.query_dataset is None and not self.query_text:
             raise AssayError("give queries: --query_dataset DATASET and/or --query_text TEXT")
+        if any(not text.strip() for text in self.query_text):
+            raise AssayError("a --query_text is empty; give the text to attribute")
         if self.top_k < 1 or self.chunk_rows < 1 or self.token_batch_size < 1:
             raise AssayError("--top_k, --chunk_rows and --token_batch_size must be positive")
         if self.mix is not None and not 0.0 <= self.mix <= 1.0:
@@ -237,19 +239,25 @@ def score_index(
 
 
 # --- the command --------------------------------------------------------------------------------
-def run_score(cfg: ScoreConfig) -> dict[str, Any]:
-    """Compute the queries' gradients like the index's, score, write OUT, print the table."""
+def query_gradients(cfg: ScoreConfig, index: GradientIndex) -> tuple[Any, Queries, torch.Tensor]:
+    """(setup, queries, [Q, D] fp32 gradients) computed exactly as the index's rows were."""
     from assay.attribution.build import collect, setup_from_index
 
+    setup = setup_from_index(index, cfg.device)
+    check_compatible(index, setup)
+    queries = load_queries(cfg, index, setup.tokenizer)
+    grads = torch.from_numpy(collect(setup, queries.examples, cfg.token_batch_size))
+    zero = [q for q, n in zip(queries.ids, grads.norm(dim=1)) if float(n) == 0.0]
+    if zero:
+        raise AssayError(f"query {zero[0]!r} has an all-zero gradient; it cannot be attributed")
+    return setup, queries, grads
+
+
+def run_score(cfg: ScoreConfig) -> dict[str, Any]:
+    """Compute the queries' gradients like the index's, score, write OUT, print the table."""
     index = open_index(cfg.index)
+    setup, queries, grads = query_gradients(cfg, index)  # user errors surface before OUT.part exists
     with run_folder(cfg.out, "score", cfg, cfg.overwrite) as run:
-        setup = setup_from_index(index, cfg.device)
-        check_compatible(index, setup)
-        queries = load_queries(cfg, index, setup.tokenizer)
-        grads = torch.from_numpy(collect(setup, queries.examples, cfg.token_batch_size))  # [Q, D] fp32
-        zero = [q for q, n in zip(queries.ids, grads.norm(dim=1)) if float(n) == 0.0]
-        if zero:
-            raise AssayError(f"query {zero[0]!r} has an all-zero gradient; it cannot be attributed")
         columns = len(queries.ids) if cfg.aggregate == "none" else 1
         scores_out = None
         if cfg.save_scores:

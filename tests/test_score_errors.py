@@ -1,0 +1,103 @@
+"""`assay score` refuses what it cannot score correctly, with one clear line."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+
+import pytest
+
+from assay.attribution.build import BuildConfig, run_build, setup_from_index
+from assay.attribution.index import open_index
+from assay.attribution.projection import Projector
+from assay.attribution.score import ScoreConfig, check_compatible, run_score
+from assay.cli import main
+from assay.core.config import DataConfig, ModelConfig, RuntimeConfig
+from assay.core.errors import AssayError
+from tests.conftest import make_llama, make_tokenizer
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory, tiny_model_dir):
+    root = tmp_path_factory.mktemp("score-errors")
+    model_dir = root / "model"
+    shutil.copytree(tiny_model_dir, model_dir)
+    data = root / "train.jsonl"
+    data.write_text(
+        "".join(f'{{"text": "X:{i}\\nT:Tune {i}\\nK:G\\nGAB cBA|d2 e{i % 7}"}}\n' for i in range(24))
+    )
+    cfg = BuildConfig(
+        out=str(root / "index"),
+        model=ModelConfig(model=str(model_dir)),
+        data=DataConfig(dataset=str(data), max_length=32),
+        runtime=RuntimeConfig(precision="fp32"),
+        preconditioner="trackstar",
+    )
+    run_build(cfg)
+    return root, model_dir, data
+
+
+def _score_cfg(root, data, **kw) -> ScoreConfig:
+    args = {
+        "out": str(root / "out"),
+        "index": str(root / "index"),
+        "query_dataset": str(data),
+        "overwrite": True,
+    }
+    return ScoreConfig(**{"query_split": "train", **args, **kw})
+
+
+def test_scores_with_the_index_settings(built):
+    root, _, data = built
+    summary = run_score(_score_cfg(root, data, query_max_samples=3, query_text=("X:9\nK:D\nABc",)))
+    assert summary["num_queries"] == 4 and summary["num_rows"] == 24
+
+
+def test_tokenizer_and_projection_mismatch_are_refused(built):
+    root, _, _ = built
+    index = open_index(root / "index")
+    setup = setup_from_index(index, "cpu")
+    check_compatible(index, setup)  # the index's own settings pass
+    other_tok = dataclasses.replace(setup, tokenizer=make_tokenizer(vocab_size=280))
+    with pytest.raises(AssayError, match="tokenizer differs"):
+        check_compatible(index, other_tok)
+    with pytest.raises(AssayError, match="projection p=8"):
+        check_compatible(index, dataclasses.replace(setup, projector=Projector(8, 0)))
+    fewer = dict(list(setup.modules.items())[:-1])
+    with pytest.raises(AssayError, match="modules differ"):
+        check_compatible(index, dataclasses.replace(setup, modules=fewer))
+
+
+def test_empty_queries_are_refused(built, capsys):
+    root, _, data = built
+    with pytest.raises(AssayError, match="no examples left"):
+        run_score(_score_cfg(root, data, query_filter_column="text", query_filter_value="nothing"))
+    with pytest.raises(AssayError, match="--query_dataset"):
+        ScoreConfig(out=str(root / "o"), index=str(root / "index"))
+    with pytest.raises(AssayError, match="empty"):
+        ScoreConfig(out=str(root / "o"), index=str(root / "index"), query_text=("  ",))
+    capsys.readouterr()
+    code = main(["score", str(root / "o"), "--index", str(root / "index"), "--query_text", ""])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err == ["assay score: error: a --query_text is empty; give the text to attribute"]
+
+
+def test_changed_model_is_refused(built, tiny_tokenizer, capsys):
+    root, model_dir, data = built
+    make_llama(len(tiny_tokenizer), seed=1).save_pretrained(model_dir)  # same architecture, new weights
+    with pytest.raises(AssayError, match="is not the one"):
+        run_score(_score_cfg(root, data, query_max_samples=2))
+    capsys.readouterr()
+    code = main(["score", str(root / "o2"), "--index", str(root / "index"), "--query_text", "X:1\nK:G\nABc"])
+    err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert (
+        code == 2
+        and len(err) == 1
+        and err[0].startswith("assay score: error: model")
+        and "not the one" in err[0]
+    )
+
+
+def test_missing_or_unfinished_index(tmp_path):
+    with pytest.raises(AssayError, match="no index"):
+        run_score(ScoreConfig(out=str(tmp_path / "o"), index=str(tmp_path / "nope"), query_text=("ABC",)))
