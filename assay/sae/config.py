@@ -1,0 +1,180 @@
+"""Configs of `assay sae train` and `assay sae eval`: pure data, validation only.
+
+Precision is a string (never a torch.dtype), so a config is plain JSON and a run can be
+replayed from its saved `config.json`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import tyro
+
+from assay.core.config import DataConfig, ModelConfig, RuntimeConfig
+from assay.core.errors import AssayError
+
+Architecture = Literal["relu", "topk", "batchtopk", "jumprelu"]
+ARCHITECTURES: tuple[str, ...] = ("relu", "topk", "batchtopk", "jumprelu")
+FP16_REFUSAL = (
+    "--precision fp16 is not supported for SAE training: it degraded SAE training badly and its "
+    "loss scaling makes runs fragile; use --precision bf16 (fp32's exponent range) or fp32"
+)
+
+
+@dataclass
+class SaeArchConfig:
+    """The SAE itself: architecture, width and sparsity."""
+
+    architecture: Architecture = "topk"
+    """relu (ReLU + L1), topk (exactly k latents per token), batchtopk (k per token on average
+    over the batch; saved as JumpReLU), jumprelu (learned thresholds, L0 penalty)."""
+    d_sae: int | None = None
+    """Number of latents (default: --expansion_factor times the activation width)."""
+    expansion_factor: int = 16
+    """Latents per activation dimension, used when --d_sae is not given."""
+    k: int = 32
+    """Active latents per token for topk / batchtopk."""
+    l1_coefficient: float = 5.0
+    """Weight of the L1 penalty (relu), on activations times decoder row norms."""
+    l0_coefficient: float = 1.0
+    """Weight of the L0 penalty (jumprelu)."""
+    jumprelu_bandwidth: float = 0.05
+    """Width of the rectangle kernel of JumpReLU's straight-through threshold gradient."""
+    jumprelu_init_threshold: float = 0.01
+    """Initial JumpReLU threshold (on normalised activations)."""
+    aux_k: int | None = None
+    """Latents the AuxK loss revives per token (topk/batchtopk; default d_in / 2)."""
+    aux_coefficient: float = 1 / 32
+    """Weight of the AuxK loss against dead latents (0 switches it off)."""
+    decoder_init_norm: float = 0.1
+    """Initial norm of each decoder row (the decoder starts as the encoder's transpose)."""
+    sparse_kernels: bool = True
+    """topk/batchtopk: decode with a sparse gather (embedding_bag) and a sparse encoder
+    backward instead of dense matmuls (chosen by measurement; see docs/BENCHMARKS.md)."""
+
+    def __post_init__(self) -> None:
+        if self.architecture not in ARCHITECTURES:
+            raise AssayError(f"--architecture must be one of {', '.join(ARCHITECTURES)}")
+        if self.d_sae is not None and self.d_sae <= 0:
+            raise AssayError(f"--d_sae must be positive, got {self.d_sae}")
+        if self.expansion_factor <= 0 or self.k <= 0:
+            raise AssayError("--expansion_factor and --k must be positive")
+        if min(self.l1_coefficient, self.l0_coefficient, self.aux_coefficient) < 0:
+            raise AssayError("sparsity and aux coefficients must be >= 0")
+
+
+@dataclass
+class SaeTrainConfig:
+    """Train a sparse autoencoder on a language model's activations at one module."""
+
+    out: tyro.conf.Positional[str]
+    """Output folder: the SAE in SAELens format, metrics.jsonl, checkpoints, summary.json."""
+    model: tyro.conf.OmitArgPrefixes[ModelConfig] = field(default_factory=ModelConfig)
+    data: tyro.conf.OmitArgPrefixes[DataConfig] = field(default_factory=lambda: DataConfig("shakespeare"))
+    runtime: tyro.conf.OmitArgPrefixes[RuntimeConfig] = field(
+        default_factory=lambda: RuntimeConfig(precision="fp32")
+    )
+    sae: tyro.conf.OmitArgPrefixes[SaeArchConfig] = field(default_factory=SaeArchConfig)
+    hookpoint: str = "model.layers.2"
+    """HF module name whose output is the activation (a tuple output gives its first element)."""
+    training_tokens: int = 2_000_000
+    """Tokens (activation vectors) to train on."""
+    batch_tokens: int = 4096
+    """Activation vectors per SAE step."""
+    context_length: int = 128
+    """Tokens per context the LM reads (documents are packed and cut into contexts)."""
+    buffer_batches: int = 16
+    """Shuffling buffer size in batches: each batch mixes tokens of this many batches' contexts."""
+    lm_batch_contexts: int = 32
+    """Contexts per language-model forward while streaming activations."""
+    learning_rate: float | None = None
+    """Adam learning rate (default: 2e-4 / sqrt(d_sae / 16384), the TopK scaling law)."""
+    lr_warmup_steps: int = 50
+    """Linear learning-rate warm-up from 0."""
+    lr_decay_fraction: float = 0.2
+    """Final fraction of steps over which the learning rate decays linearly to 0."""
+    l1_warmup_fraction: float = 0.05
+    """Fraction of steps over which the L1/L0 coefficient ramps up from 0 (relu, jumprelu)."""
+    grad_clip: float = 1.0
+    """Clip the gradient norm to this (0: off)."""
+    dead_window_tokens: int = 1_000_000
+    """A latent is dead when it has not fired for this many tokens."""
+    metrics_every: int = 20
+    """Steps between lines of metrics.jsonl."""
+    eval_every: int = 0
+    """Steps between splice evaluations on held-out text (0: only at the end)."""
+    eval_split: str = "eval"
+    """Held-out split of --dataset for splice evaluations."""
+    eval_contexts: int = 32
+    """Held-out contexts per splice evaluation."""
+    checkpoint_every: int = 200
+    """Steps between checkpoints (resume by rerunning the same command)."""
+    autocast_lm: bool = False
+    """Run the language model's forward under bf16 autocast too (with --precision bf16)."""
+    compile: bool = False
+    """torch.compile the SAE's dense forward (relu/jumprelu, or --no-sparse_kernels)."""
+    compile_lm: bool = False
+    """torch.compile the language model as well."""
+    cache_activations: str | None = None
+    """Folder of cached activations: written on first use, read back by later runs."""
+    wandb: bool = False
+    """Also log metrics to Weights & Biases (works with WANDB_MODE=offline)."""
+    wandb_project: str = "assay-sae"
+    """W&B project name."""
+    overwrite: bool = False
+    """Replace a finished run in OUT."""
+
+    def __post_init__(self) -> None:
+        check_sae_precision(self.runtime.precision)
+        for name in ("training_tokens", "batch_tokens", "context_length", "buffer_batches"):
+            if getattr(self, name) <= 0:
+                raise AssayError(f"--{name} must be positive")
+        if self.training_tokens < self.batch_tokens:
+            raise AssayError("--training_tokens must be at least --batch_tokens")
+        if not 0 <= self.lr_decay_fraction <= 1 or not 0 <= self.l1_warmup_fraction <= 1:
+            raise AssayError("--lr_decay_fraction and --l1_warmup_fraction must lie in [0, 1]")
+        if self.autocast_lm and self.runtime.precision == "fp32":
+            raise AssayError("--autocast_lm needs --precision bf16")
+
+    @property
+    def total_steps(self) -> int:
+        return self.training_tokens // self.batch_tokens
+
+
+def check_sae_precision(name: str) -> None:
+    """SAE training runs fp32 or bf16 autocast; fp16 and bf16 weights are refused."""
+    if name == "fp16":
+        raise AssayError(FP16_REFUSAL)
+    if name == "bf16-pure":
+        raise AssayError(
+            "--precision bf16-pure is not supported for SAEs: parameters and Adam state stay fp32"
+        )
+
+
+@dataclass
+class SaeEvalConfig:
+    """Reconstruction and splice metrics of a saved SAE (ours or any SAELens-format folder)."""
+
+    sae_dir: tyro.conf.Positional[str]
+    """Folder with cfg.json and sae_weights.safetensors."""
+    model: tyro.conf.OmitArgPrefixes[ModelConfig] = field(default_factory=ModelConfig)
+    data: tyro.conf.OmitArgPrefixes[DataConfig] = field(
+        default_factory=lambda: DataConfig("shakespeare", split="eval")
+    )
+    runtime: tyro.conf.OmitArgPrefixes[RuntimeConfig] = field(
+        default_factory=lambda: RuntimeConfig(precision="fp32")
+    )
+    hookpoint: str | None = None
+    """Module to splice into (default: the SAE's own hook name from cfg.json)."""
+    context_length: int | None = None
+    """Tokens per context (default: the SAE's training context size)."""
+    eval_contexts: int = 64
+    """Held-out contexts to evaluate on."""
+    out: str | None = None
+    """Write eval.json here (default: SAE_DIR/eval.json)."""
+
+    def __post_init__(self) -> None:
+        check_sae_precision(self.runtime.precision)
+        if self.eval_contexts <= 0:
+            raise AssayError("--eval_contexts must be positive")

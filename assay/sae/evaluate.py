@@ -1,0 +1,142 @@
+"""Splice evaluation: how much of the model's behaviour an SAE's reconstruction keeps.
+
+On held-out contexts, three forwards per batch: clean; with the hookpoint's output
+replaced by the SAE's reconstruction (spliced); with it replaced by zeros (ablated).
+  CE clean / spliced / zero-ablated: mean next-token cross-entropy (nats)
+  CE loss score = (CE_zero - CE_spliced) / (CE_zero - CE_clean)   (1: perfect, 0: as bad as zeros)
+  KL = mean over positions of KL(p_clean || p_spliced)
+Reconstruction metrics (MSE, FVU, L0, ...) come from the same activations.
+`assay sae eval` runs this on any SAE folder in SAELens format.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from assay.core.console import say
+from assay.core.data import load_examples
+from assay.core.errors import AssayError
+from assay.core.hooks import forward_hooks, get_module, output_tensor
+from assay.core.lm import token_losses
+from assay.core.models import load_model, load_tokenizer, setup_runtime
+from assay.core.precision import full_precision
+from assay.core.runs import write_json
+from assay.sae.activations import pack_contexts
+from assay.sae.config import SaeEvalConfig
+from assay.sae.metrics import ReconstructionStats
+from assay.sae.model import SparseAutoencoder
+from assay.sae.saelens_format import load_sae
+
+METRIC_ORDER = (
+    "ce_clean",
+    "ce_spliced",
+    "ce_zero",
+    "ce_loss_score",
+    "kl",
+    "fvu",
+    "explained_variance",
+    "mse",
+    "l0",
+)
+
+
+def replace_output(output: Any, new: torch.Tensor) -> Any:
+    """The module output with its hidden-state tensor replaced (same tuple structure)."""
+    if isinstance(output, tuple):
+        return (new, *output[1:])
+    return new
+
+
+class _Splicer:
+    """Forward hook: records the activation (clean), or swaps in the reconstruction / zeros."""
+
+    def __init__(self, sae: SparseAutoencoder, stats: ReconstructionStats):
+        self.sae, self.stats, self.mode = sae, stats, "clean"
+
+    def __call__(self, _name: str, _mod: Any, _inp: Any, out: Any) -> Any:
+        h = output_tensor(out)  # [B, T, d_in]
+        if self.mode == "zero":
+            return replace_output(out, torch.zeros_like(h))
+        with full_precision(h.device):  # the SAE runs in fp32 for evaluation
+            x = h.reshape(-1, h.shape[-1]).float() * self.sae.act_scale
+            z = self.sae.encode(x)
+            x_hat = self.sae.decode(z) / self.sae.act_scale
+        if self.mode == "clean":
+            self.stats.update(h.reshape(-1, h.shape[-1]).float(), x_hat, z)
+            return None
+        return replace_output(out, x_hat.reshape(h.shape).to(h.dtype))
+
+
+@torch.no_grad()
+def splice_metrics(
+    model: Any,
+    sae: SparseAutoencoder,
+    hookpoint: str,
+    contexts: np.ndarray,
+    batch_contexts: int = 8,
+    lm_region: Any = None,
+) -> dict[str, float]:
+    """CE clean/spliced/zero, CE loss score, KL and reconstruction metrics on contexts [n, T]."""
+    device = next(model.parameters()).device
+    stats = ReconstructionStats(sae.d_in, sae.d_sae)
+    splicer = _Splicer(sae, stats)
+    sums = {"ce_clean": 0.0, "ce_spliced": 0.0, "ce_zero": 0.0, "kl": 0.0}
+    n_targets = n_positions = 0
+    with forward_hooks({hookpoint: get_module(model, hookpoint)}, splicer):
+        for i in range(0, len(contexts), batch_contexts):
+            ids = torch.from_numpy(contexts[i : i + batch_contexts]).to(device)  # [B, T]
+            logp = {}
+            for mode in ("clean", "spliced", "zero"):
+                splicer.mode = mode
+                with lm_region or contextlib.nullcontext():
+                    logits = model(input_ids=ids).logits
+                with full_precision(device):
+                    sums[f"ce_{mode}"] += float(token_losses(logits, ids).sum())
+                    if mode != "zero":
+                        logp[mode] = F.log_softmax(logits.float(), dim=-1)  # [B, T, V]
+            kl = (logp["clean"].exp() * (logp["clean"] - logp["spliced"])).sum(-1)  # [B, T]
+            sums["kl"] += float(kl.sum())
+            n_targets += ids.shape[0] * (ids.shape[1] - 1)
+            n_positions += ids.numel()
+    out = {k: v / max(n_targets, 1) for k, v in sums.items() if k != "kl"}
+    out["kl"] = sums["kl"] / max(n_positions, 1)
+    gap = out["ce_zero"] - out["ce_clean"]
+    out["ce_loss_score"] = (out["ce_zero"] - out["ce_spliced"]) / gap if abs(gap) > 1e-12 else float("nan")
+    return {**out, **stats.result()}
+
+
+def format_metrics(metrics: dict[str, float]) -> str:
+    """The metrics as aligned `name  value` lines, in a fixed order."""
+    keys = [k for k in METRIC_ORDER if k in metrics] + [k for k in metrics if k not in METRIC_ORDER]
+    return "\n".join(f"  {k:<22} {metrics[k]:.4f}" for k in keys if isinstance(metrics[k], (int, float)))
+
+
+def run_sae_eval(cfg: SaeEvalConfig) -> dict[str, float]:
+    """`assay sae eval`: load an SAE folder, splice it into the model, print and save metrics."""
+    sae, meta = load_sae(cfg.sae_dir)
+    hookpoint = cfg.hookpoint or meta.get("hook_name")
+    if not hookpoint:
+        raise AssayError(f"{cfg.sae_dir}/cfg.json names no hook; pass --hookpoint MODULE_NAME")
+    context_length = int(cfg.context_length or meta.get("context_size") or 128)
+    device, policy = setup_runtime(cfg.runtime)
+    tokenizer = load_tokenizer(cfg.model)
+    _, examples = load_examples(cfg.data, tokenizer)
+    contexts = pack_contexts(examples.tokens, context_length)[: cfg.eval_contexts]
+    model = load_model(cfg.model, policy, cfg.runtime.attention)
+    hidden = get_module(model, hookpoint)  # fail early with the module list
+    del hidden
+    metrics = splice_metrics(model, sae.to(device), hookpoint, contexts, lm_region=policy.autocast())
+    metrics.update(eval_tokens=int(contexts.size), context_length=context_length)
+    out = Path(cfg.out) if cfg.out else Path(cfg.sae_dir) / "eval.json"
+    write_json(out, {"sae": str(cfg.sae_dir), "model": cfg.model.model, "hookpoint": hookpoint, **metrics})
+    say(
+        f"SAE {cfg.sae_dir} at {hookpoint} on {cfg.data.dataset}:{cfg.data.split} ({contexts.size:,} tokens):"
+    )
+    say(format_metrics(metrics))
+    return metrics

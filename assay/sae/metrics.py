@@ -1,0 +1,119 @@
+"""SAE metrics, always computed in fp32 with autocast off, always saved locally.
+
+Definitions (x: activations [N, d_in], x_hat: reconstructions, z: latents):
+  MSE  = mean over tokens of ||x - x_hat||^2 (summed over d_in)
+  FVU  = sum ||x - x_hat||^2 / sum ||x - mean(x)||^2 ; explained variance = 1 - FVU
+  L0   = mean number of active latents per token
+  dead fraction = share of latents that did not fire in the last `window` tokens
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from assay.core.errors import AssayError
+
+
+def fvu(x: Tensor, x_hat: Tensor) -> float:
+    """Fraction of variance unexplained over a batch (fp64 sums)."""
+    x64, err = x.double(), (x.double() - x_hat.double())
+    total = (x64 - x64.mean(0)).pow(2).sum()
+    return float(err.pow(2).sum() / total.clamp_min(1e-30))
+
+
+class ReconstructionStats:
+    """Accumulates MSE / FVU / L0 / firing counts over many batches (exact, in fp64)."""
+
+    def __init__(self, d_in: int, d_sae: int):
+        self.n = 0
+        self.sq_err = 0.0
+        self.sum_x = torch.zeros(d_in, dtype=torch.float64)
+        self.sum_x2 = 0.0
+        self.active = 0
+        self.fire_counts = torch.zeros(d_sae, dtype=torch.float64)
+
+    def update(self, x: Tensor, x_hat: Tensor, z: Tensor) -> None:
+        """x, x_hat [N, d_in]; z [N, d_sae] latents."""
+        x64 = x.double().reshape(-1, x.shape[-1])
+        self.n += x64.shape[0]
+        self.sq_err += float((x64 - x_hat.double().reshape(x64.shape)).pow(2).sum())
+        self.sum_x += x64.sum(0)
+        self.sum_x2 += float(x64.pow(2).sum())
+        fired = z.reshape(-1, z.shape[-1]) > 0
+        self.active += int(fired.sum())
+        self.fire_counts += fired.sum(0).double()
+
+    def result(self) -> dict[str, float]:
+        total_var = self.sum_x2 - float(self.sum_x.pow(2).sum()) / max(self.n, 1)
+        f = self.sq_err / max(total_var, 1e-30)
+        return {
+            "mse": self.sq_err / max(self.n, 1),
+            "fvu": f,
+            "explained_variance": 1.0 - f,
+            "l0": self.active / max(self.n, 1),
+            "dead_fraction_eval": float((self.fire_counts == 0).double().mean()),
+        }
+
+    def log_densities(self) -> Tensor:
+        """[d_sae] log10 firing frequency (SAELens's `sparsity`), floored at 1e-10."""
+        return torch.log10(self.fire_counts / max(self.n, 1) + 1e-10).float()
+
+
+class DeadLatents:
+    """Tokens since each latent last fired; a latent is dead past `window` tokens."""
+
+    def __init__(self, d_sae: int, window: int):
+        self.since = torch.zeros(d_sae, dtype=torch.int64)
+        self.window = window
+
+    def update(self, counts: Tensor, n_tokens: int) -> None:
+        """counts [d_sae]: tokens of a batch of n_tokens on which each latent fired."""
+        self.since += n_tokens
+        self.since[counts.cpu() > 0] = 0
+
+    def mask(self) -> Tensor:
+        return self.since >= self.window
+
+    def fraction(self) -> float:
+        return float(self.mask().double().mean())
+
+
+class MetricsLog:
+    """Appends one JSON object per line to metrics.jsonl; mirrors to W&B when asked."""
+
+    def __init__(self, path: Path, wandb_run: Any = None):
+        self.path, self.wandb_run = path, wandb_run
+
+    def truncate_after(self, step: int) -> None:
+        """On resume: drop lines written after the checkpoint being resumed from."""
+        if not self.path.exists():
+            return
+        lines = [line for line in self.path.read_text().splitlines() if line.strip()]
+        kept = [line for line in lines if json.loads(line).get("step", 0) <= step]
+        self.path.write_text("".join(line + "\n" for line in kept))
+
+    def log(self, record: dict[str, Any]) -> None:
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(clean) + "\n")
+        if self.wandb_run is not None:
+            self.wandb_run.log({k: v for k, v in clean.items() if v is not None}, step=record.get("step"))
+
+    def close(self) -> None:
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+
+
+def start_wandb(project: str, name: str, config: dict[str, Any], folder: Path) -> Any:
+    """A W&B run (honours WANDB_MODE=offline); a clear error when wandb is not installed."""
+    try:
+        import wandb
+    except ImportError:
+        raise AssayError("--wandb needs the wandb package: pip install 'assay[wandb]'") from None
+    return wandb.init(project=project, name=name, config=config, dir=str(folder))

@@ -1,0 +1,156 @@
+"""Save and load SAEs in the format SAELens (and sae-dashboard, Neuronpedia tools) load.
+
+A folder with:
+  cfg.json                 architecture, d_in, d_sae, dtype, device, apply_b_dec_to_input,
+                           normalize_activations ("none": normalisation is folded in),
+                           k (topk), metadata {model_name, hook_name, context_size, ...}
+  sae_weights.safetensors  W_enc [d_in, d_sae], b_enc [d_sae], W_dec [d_sae, d_in],
+                           b_dec [d_in], threshold [d_sae] (jumprelu)
+  sparsity.safetensors     `sparsity`: log10 feature densities [d_sae] (optional)
+
+Architecture names map as: relu -> "standard", topk -> "topk", batchtopk and jumprelu ->
+"jumprelu" (BatchTopK becomes a JumpReLU with its learned global threshold at save).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from assay.core.errors import AssayError
+from assay.core.runs import read_json, write_json
+from assay.sae.config import SaeArchConfig
+from assay.sae.model import SparseAutoencoder
+
+CFG_FILE = "cfg.json"
+WEIGHTS_FILE = "sae_weights.safetensors"
+SPARSITY_FILE = "sparsity.safetensors"
+SAELENS_FORMAT_VERSION = "6.0.0"  # the cfg.json layout written here (SAELens >= 6)
+TO_SAELENS = {"relu": "standard", "topk": "topk", "batchtopk": "jumprelu", "jumprelu": "jumprelu"}
+
+
+def save_sae(
+    folder: Path | str,
+    sae: SparseAutoencoder,
+    metadata: dict[str, Any],
+    log_densities: torch.Tensor | None = None,
+) -> Path:
+    """Write `sae` (normalisation folded in first when needed) in SAELens format."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    if float(sae.act_scale) != 1.0:
+        sae = sae.folded()
+    arch = TO_SAELENS[sae.arch.architecture]
+    weights = {
+        "W_enc": sae.W_enc.detach().float().contiguous(),
+        "b_enc": sae.b_enc.detach().float().contiguous(),
+        "W_dec": sae.W_dec.detach().float().contiguous(),
+        "b_dec": sae.b_dec.detach().float().contiguous(),
+    }
+    if arch == "jumprelu":
+        weights["threshold"] = sae.threshold().detach().float().contiguous()
+    save_file({k: v.cpu() for k, v in weights.items()}, str(folder / WEIGHTS_FILE))
+    cfg: dict[str, Any] = {
+        "architecture": arch,
+        "d_in": sae.d_in,
+        "d_sae": sae.d_sae,
+        "dtype": "float32",
+        "device": "cpu",
+        "apply_b_dec_to_input": True,
+        "normalize_activations": "none",
+        "reshape_activations": "none",
+        "metadata": {
+            "sae_lens_version": SAELENS_FORMAT_VERSION,
+            **metadata,
+            "assay_architecture": sae.arch.architecture,
+        },
+    }
+    if arch == "topk":
+        cfg.update(k=sae.arch.k, rescale_acts_by_decoder_norm=False)
+    write_json(folder / CFG_FILE, cfg)
+    if log_densities is not None:
+        save_file(
+            {"sparsity": log_densities.detach().float().cpu().contiguous()}, str(folder / SPARSITY_FILE)
+        )
+    return folder
+
+
+def load_sae(folder: Path | str) -> tuple[SparseAutoencoder, dict[str, Any]]:
+    """An SAE folder in SAELens format (ours or SAELens's own) -> (SAE, its metadata).
+
+    The SAE works on raw activations (act_scale 1). Metadata always has `hook_name` and
+    `context_size` keys (None when the folder does not say).
+    """
+    folder = Path(folder)
+    if not (folder / CFG_FILE).exists() or not (folder / WEIGHTS_FILE).exists():
+        raise AssayError(f"{folder} is not an SAE folder (needs {CFG_FILE} and {WEIGHTS_FILE})")
+    cfg = read_json(folder / CFG_FILE)
+    arch = _our_architecture(cfg)
+    if cfg.get("normalize_activations", "none") not in ("none", False, None):
+        raise AssayError(
+            f"{folder}: normalize_activations={cfg['normalize_activations']!r} is not supported; "
+            "fold the normalisation into the weights first"
+        )
+    weights = load_file(str(folder / WEIGHTS_FILE))
+    d_in, d_sae = int(cfg["d_in"]), int(cfg["d_sae"])
+    arch_cfg = SaeArchConfig(architecture=arch, d_sae=d_sae, k=int(cfg.get("k") or 32))  # type: ignore[arg-type]
+    sae = SparseAutoencoder(d_in, d_sae, arch_cfg)
+    _load_weights(sae, weights, cfg, folder)
+    return sae.eval(), _metadata(cfg)
+
+
+def _our_architecture(cfg: dict[str, Any]) -> str:
+    name = cfg.get("architecture", "standard")
+    if name == "standard" and cfg.get("activation_fn", cfg.get("activation_fn_str")) == "topk":
+        name = "topk"  # SAELens < 6 wrote TopK as standard + activation_fn topk
+    if name not in ("standard", "topk", "jumprelu"):
+        raise AssayError(f"SAE architecture {name!r} is not supported (standard, topk, jumprelu)")
+    if name == "topk" and cfg.get("rescale_acts_by_decoder_norm"):
+        raise AssayError(
+            "TopK SAEs with rescale_acts_by_decoder_norm are not supported; fold W_dec norms first"
+        )
+    if name == "topk" and cfg.get("k") is None:
+        cfg["k"] = (cfg.get("activation_fn_kwargs") or {}).get("k")
+    return {"standard": "relu", "topk": "topk", "jumprelu": "jumprelu"}[name]
+
+
+def _load_weights(
+    sae: SparseAutoencoder, weights: dict[str, torch.Tensor], cfg: dict[str, Any], folder: Path
+) -> None:
+    expected = {
+        "W_enc": (sae.d_in, sae.d_sae),
+        "b_enc": (sae.d_sae,),
+        "W_dec": (sae.d_sae, sae.d_in),
+        "b_dec": (sae.d_in,),
+    }
+    with torch.no_grad():
+        for name, shape in expected.items():
+            if name not in weights or tuple(weights[name].shape) != shape:
+                raise AssayError(f"{folder}: {WEIGHTS_FILE} lacks {name} of shape {list(shape)}")
+            getattr(sae, name).copy_(weights[name].float())
+        if not cfg.get("apply_b_dec_to_input", True):
+            # pre = x @ W_enc + b_enc  ==  (x - b_dec) @ W_enc + (b_enc + b_dec @ W_enc)
+            sae.b_enc.add_(sae.b_dec @ sae.W_enc)
+        if sae.arch.architecture == "jumprelu":
+            if "threshold" not in weights:
+                raise AssayError(f"{folder}: a jumprelu SAE needs `threshold` in {WEIGHTS_FILE}")
+            t = weights["threshold"].float().clamp_min(math.exp(-60))
+            sae.log_threshold.copy_(t.log())
+
+
+def _metadata(cfg: dict[str, Any]) -> dict[str, Any]:
+    meta = dict(cfg.get("metadata") or {})
+    for key, old in (("hook_name", "hook_point"), ("model_name", None), ("context_size", None)):
+        if meta.get(key) is None:
+            meta[key] = cfg.get(key, cfg.get(old) if old else None)
+    return meta
+
+
+def load_log_densities(folder: Path | str) -> torch.Tensor | None:
+    """log10 feature densities saved beside an SAE, if any."""
+    path = Path(folder) / SPARSITY_FILE
+    return load_file(str(path))["sparsity"] if path.exists() else None

@@ -1,0 +1,392 @@
+"""`assay sae train`: the training loop, checkpoints and resume.
+
+Precision (one policy, applied here): with bf16 the forward of the train step (encode,
+decode, losses) runs under autocast; backward, gradient clipping and the Adam step run
+outside it; parameters and Adam state are fp32; the BatchTopK threshold EMA, dead-latent
+counters and metrics are updated with autocast off, in fp32. fp16 is refused by the config.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from assay.core.console import note, say
+from assay.core.precision import PrecisionPolicy, full_precision
+from assay.core.progress import Progress
+from assay.core.runs import config_to_dict, read_json, run_folder, write_json
+from assay.sae.activations import ShuffledBatches
+from assay.sae.config import SaeTrainConfig
+from assay.sae.metrics import DeadLatents, MetricsLog, fvu, start_wandb
+from assay.sae.model import SparseAutoencoder, TrainOutput
+from assay.sae.saelens_format import save_sae
+
+CHECKPOINT = "checkpoint"
+
+
+@dataclass
+class TrainState:
+    """Counters that a checkpoint restores along with the weights."""
+
+    step: int = 0
+    tokens: int = 0
+
+
+def default_learning_rate(d_sae: int) -> float:
+    """2e-4 / sqrt(d_sae / 2^14): the width scaling of Gao et al. (2024), used by sparsify."""
+    return 2e-4 / math.sqrt(d_sae / 2**14)
+
+
+def lr_at(step: int, total: int, base: float, warmup: int, decay_fraction: float) -> float:
+    """Linear warm-up over `warmup` steps, constant, linear decay to 0 over the last fraction."""
+    scale = min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
+    decay_steps = int(total * decay_fraction)
+    if decay_steps > 0 and step >= total - decay_steps:
+        scale *= (total - step) / decay_steps
+    return base * scale
+
+
+def sparsity_coef_at(step: int, total: int, cfg: SaeTrainConfig) -> float:
+    """L1 (relu) / L0 (jumprelu) coefficient, ramped up linearly from 0 at the start."""
+    arch = cfg.sae.architecture
+    base = cfg.sae.l1_coefficient if arch == "relu" else cfg.sae.l0_coefficient if arch == "jumprelu" else 0.0
+    warm = int(total * cfg.l1_warmup_fraction)
+    return base * min(1.0, (step + 1) / warm) if warm > 0 else base
+
+
+def make_optimizer(sae: SparseAutoencoder, lr: float) -> torch.optim.Adam:
+    """Adam on the fp32 parameters (its state is fp32 too)."""
+    return torch.optim.Adam(sae.parameters(), lr=lr, betas=(0.9, 0.999))
+
+
+def train_step(
+    sae: SparseAutoencoder,
+    opt: torch.optim.Optimizer,
+    x: torch.Tensor,
+    dead: DeadLatents,
+    policy: PrecisionPolicy,
+    lr: float,
+    sparsity_coef: float,
+    grad_clip: float,
+    first: bool,
+) -> TrainOutput:
+    """One SAE update on a batch x [N, d_in] of normalised activations."""
+    for group in opt.param_groups:
+        group["lr"] = lr
+    mask = dead.mask().to(x.device)
+    with policy.autocast():  # encode, decode, losses
+        out = sae.train_forward(x, mask if bool(mask.any()) else None, sparsity_coef)
+    out.loss.backward()  # outside autocast: gradients land in the fp32 parameters
+    if grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(sae.parameters(), grad_clip)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    with full_precision(x.device):
+        sae.update_threshold(out.min_kept, first)
+        dead.update(out.counts, len(x))
+    return out
+
+
+def step_record(out: TrainOutput, x: torch.Tensor, state: TrainState, dead: DeadLatents, extra: dict) -> dict:
+    """One metrics.jsonl line (fp32/fp64, autocast off)."""
+    with full_precision(x.device):
+        f = fvu(x, out.x_hat)
+        return {
+            "step": state.step,
+            "tokens": state.tokens,
+            "loss": float(out.loss.detach()),
+            "mse": float(out.mse.detach()),
+            "fvu": f,
+            "explained_variance": 1.0 - f,
+            "l0": float(out.l0),
+            "dead_fraction": dead.fraction(),
+            "aux_loss": float(out.aux.detach()),
+            "sparsity_loss": float(out.sparsity.detach()),
+            **extra,
+        }
+
+
+# ---- checkpoints -------------------------------------------------------------------
+def save_checkpoint(
+    run_dir: Path, sae: SparseAutoencoder, opt: torch.optim.Optimizer, dead: DeadLatents, state: TrainState
+) -> None:
+    """Weights, Adam state and counters as safetensors + JSON, replaced atomically."""
+    tmp, final = run_dir / (CHECKPOINT + ".part"), run_dir / CHECKPOINT
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    save_file({k: v.detach().contiguous() for k, v in sae.state_dict().items()}, str(tmp / "sae.safetensors"))
+    adam: dict[str, torch.Tensor] = {}
+    for i, p in enumerate(sae.parameters()):
+        for key, value in opt.state.get(p, {}).items():
+            adam[f"{i}.{key}"] = torch.as_tensor(value).detach().clone().contiguous()
+    save_file(adam, str(tmp / "optimizer.safetensors"))
+    save_file({"since": dead.since.contiguous()}, str(tmp / "counters.safetensors"))
+    write_json(tmp / "state.json", {"step": state.step, "tokens": state.tokens})
+    old = run_dir / (CHECKPOINT + ".old")
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def load_checkpoint(
+    run_dir: Path, sae: SparseAutoencoder, opt: torch.optim.Optimizer, dead: DeadLatents
+) -> TrainState:
+    folder = run_dir / CHECKPOINT
+    sae.load_state_dict(load_file(str(folder / "sae.safetensors")))
+    adam = load_file(str(folder / "optimizer.safetensors"))
+    for i, p in enumerate(sae.parameters()):
+        entries = {k.split(".", 1)[1]: v for k, v in adam.items() if k.split(".", 1)[0] == str(i)}
+        if entries:
+            opt.state[p] = entries
+    dead.since.copy_(load_file(str(folder / "counters.safetensors"))["since"])
+    saved = read_json(folder / "state.json")
+    return TrainState(step=int(saved["step"]), tokens=int(saved["tokens"]))
+
+
+# ---- the loop ------------------------------------------------------------------------
+def init_from_data(sae: SparseAutoencoder, sample: torch.Tensor) -> None:
+    """Scale so the mean activation norm is sqrt(d_in); b_dec at the (scaled) data mean."""
+    with torch.no_grad():
+        scale = math.sqrt(sae.d_in) / float(sample.norm(dim=-1).mean().clamp_min(1e-12))
+        sae.act_scale.fill_(scale)
+        sae.b_dec.copy_(sample.mean(0) * scale)
+
+
+def fit(
+    sae: SparseAutoencoder,
+    batches: ShuffledBatches,
+    cfg: SaeTrainConfig,
+    policy: PrecisionPolicy,
+    run_dir: Path,
+    evaluate: Any = None,
+    wandb_run: Any = None,
+) -> dict[str, Any]:
+    """Train to cfg.total_steps (resuming from run_dir/checkpoint when present)."""
+    total = cfg.total_steps
+    base_lr = cfg.learning_rate or default_learning_rate(sae.d_sae)
+    opt = make_optimizer(sae, base_lr)
+    dead = DeadLatents(sae.d_sae, cfg.dead_window_tokens)
+    log = MetricsLog(run_dir / "metrics.jsonl", wandb_run)
+    if (run_dir / CHECKPOINT / "state.json").exists():
+        state = load_checkpoint(run_dir, sae, opt, dead)
+        log.truncate_after(state.step)
+        note(f"resuming from step {state.step:,} ({state.tokens:,} tokens)")
+    else:
+        state = TrainState()
+        init_from_data(sae, batches.fill(0))
+    density = torch.zeros(sae.d_sae, dtype=torch.float64)
+    density_from = total - max(1, total // 10)  # densities over the last 10% of steps
+    density_tokens, last, started, rate = 0, None, time.perf_counter(), 0.0
+    tokens_at_start = state.tokens
+    with Progress(total, f"sae {cfg.sae.architecture}", initial=state.step) as bar:
+        for x_raw in batches.iterate(state.step):
+            if state.step >= total:
+                break
+            x = (x_raw.to(policy.device) * sae.act_scale).contiguous()
+            lr = lr_at(state.step, total, base_lr, cfg.lr_warmup_steps, cfg.lr_decay_fraction)
+            coef = sparsity_coef_at(state.step, total, cfg)
+            out = train_step(sae, opt, x, dead, policy, lr, coef, cfg.grad_clip, state.step == 0)
+            state.step, state.tokens = state.step + 1, state.tokens + len(x)
+            if state.step > density_from:
+                density += out.counts.double().cpu()
+                density_tokens += len(x)
+            rate = (state.tokens - tokens_at_start) / max(time.perf_counter() - started, 1e-9)
+            if state.step % cfg.metrics_every == 0 or state.step == total:
+                last = step_record(
+                    out, x, state, dead, {"lr": lr, "sparsity_coefficient": coef, "tokens_per_s": rate}
+                )
+                log.log(last)
+            if (
+                evaluate is not None
+                and cfg.eval_every > 0
+                and state.step % cfg.eval_every == 0
+                and state.step < total
+            ):
+                log.log({"step": state.step, "tokens": state.tokens, **_prefixed(evaluate(sae))})
+            if cfg.checkpoint_every > 0 and state.step % cfg.checkpoint_every == 0 and state.step < total:
+                save_checkpoint(run_dir, sae, opt, dead, state)
+            bar.update(1, len(x), fvu=f"{last['fvu']:.3f}" if last else "-")
+    final = _prefixed(evaluate(sae)) if evaluate is not None else {}
+    if final:
+        log.log({"step": state.step, "tokens": state.tokens, **final})
+    log_density = torch.log10(density / max(density_tokens, 1) + 1e-10).float()
+    return {"train": last or {}, "eval": final, "log_densities": log_density, "tokens_per_s": rate}
+
+
+def _prefixed(metrics: dict[str, float]) -> dict[str, float]:
+    return {f"eval/{k}": v for k, v in metrics.items()}
+
+
+# ---- the command -----------------------------------------------------------------------
+def build_data(cfg: SaeTrainConfig, policy: PrecisionPolicy) -> tuple[Any, Any, np.ndarray]:
+    """(model, training activation source, held-out contexts [n, T]) for a config."""
+    from dataclasses import replace
+
+    from assay.core.data import load_examples
+    from assay.core.models import load_model, load_tokenizer, model_fingerprint
+    from assay.sae.activations import LMActivations, open_cache, pack_contexts, write_cache
+
+    tokenizer = load_tokenizer(cfg.model)
+    model = load_model(cfg.model, PrecisionPolicy.resolve("fp32", policy.device), cfg.runtime.attention)
+    if cfg.compile_lm:
+        model = torch.compile(model)
+    _, train_ex = load_examples(cfg.data, tokenizer)
+    contexts = pack_contexts(train_ex.tokens, cfg.context_length)
+    contexts = contexts[: -(-cfg.training_tokens // cfg.context_length)]
+    eval_contexts = np.zeros((0, cfg.context_length), dtype=np.int64)
+    if cfg.eval_contexts > 0:
+        _, eval_ex = load_examples(replace(cfg.data, split=cfg.eval_split), tokenizer)
+        eval_contexts = pack_contexts(eval_ex.tokens, cfg.context_length)[: cfg.eval_contexts]
+    source: Any = LMActivations(
+        model, cfg.hookpoint, contexts, policy, cfg.autocast_lm, cfg.lm_batch_contexts
+    )
+    if cfg.cache_activations:
+        key = {
+            "model": model_fingerprint(model),
+            "hookpoint": cfg.hookpoint,
+            "dataset": [cfg.data.dataset, cfg.data.split, cfg.data.max_samples, cfg.data.max_length],
+            "autocast_lm": cfg.autocast_lm,
+        }
+        cache = open_cache(cfg.cache_activations, {**key, "context_length": cfg.context_length})
+        if cache is None or cache.n_contexts < len(contexts):
+            if cache is not None:
+                raise_small_cache(cfg.cache_activations, cache.n_contexts, len(contexts))
+            write_cache(source, cfg.cache_activations, key)
+            cache = open_cache(cfg.cache_activations, key)
+        assert cache is not None
+        note(f"activations from cache {cfg.cache_activations} ({cache.n_contexts:,} contexts)")
+        source = cache
+    return model, source, eval_contexts
+
+
+def raise_small_cache(folder: str, have: int, want: int) -> None:
+    from assay.core.errors import AssayError
+
+    raise AssayError(
+        f"activation cache {folder} holds {have} contexts but this run reads {want}; use another folder"
+    )
+
+
+def train_sae(cfg: SaeTrainConfig) -> dict[str, Any]:
+    """Train an SAE as configured; write it (SAELens format) and its metrics into cfg.out.
+
+    Returns the summary (also written to OUT/summary.json).
+    """
+    from assay.core.models import setup_runtime
+    from assay.sae.evaluate import splice_metrics
+
+    device, policy = setup_runtime(cfg.runtime)
+    model, source, eval_contexts = build_data(cfg, policy)
+    d_sae = cfg.sae.d_sae or cfg.sae.expansion_factor * source.d_in
+    with run_folder(cfg.out, "sae train", cfg, cfg.overwrite) as run:
+        sae = SparseAutoencoder(source.d_in, d_sae, cfg.sae).to(device)
+        if cfg.compile:
+            sae._dense_forward = torch.compile(sae._dense_forward)  # type: ignore[method-assign]
+        batches = ShuffledBatches(source, cfg.batch_tokens, cfg.buffer_batches, cfg.runtime.seed)
+        lm_region = policy.autocast() if cfg.autocast_lm else None
+
+        def evaluate(s: SparseAutoencoder) -> dict[str, float]:
+            return splice_metrics(model, s, cfg.hookpoint, eval_contexts, lm_region=lm_region)
+
+        wandb_run = (
+            start_wandb(cfg.wandb_project, Path(cfg.out).name, config_to_dict(cfg), run.path)
+            if cfg.wandb
+            else None
+        )
+        started = time.perf_counter()
+        result = fit(sae, batches, cfg, policy, run.path, evaluate if len(eval_contexts) else None, wandb_run)
+        metadata = {
+            "model_name": cfg.model.model,
+            "hook_name": cfg.hookpoint,
+            "context_size": cfg.context_length,
+            "dataset_path": cfg.data.dataset,
+            "training_tokens": cfg.training_tokens,
+            "precision": policy.name,
+        }
+        save_sae(run.path, sae.folded(), metadata, result["log_densities"])
+        shutil.rmtree(run.path / CHECKPOINT, ignore_errors=True)
+        summary = _summary(cfg, policy, sae, result, time.perf_counter() - started)
+        write_json(run.path / "summary.json", summary)
+        if wandb_run is not None:
+            wandb_run.summary.update({k: v for k, v in summary.items() if isinstance(v, (int, float))})
+            wandb_run.finish()
+    return summary
+
+
+def _summary(
+    cfg: SaeTrainConfig, policy: PrecisionPolicy, sae: SparseAutoencoder, result: dict, seconds: float
+) -> dict:
+    train = result["train"]
+    return {
+        "architecture": cfg.sae.architecture,
+        "d_in": sae.d_in,
+        "d_sae": sae.d_sae,
+        "hookpoint": cfg.hookpoint,
+        "precision": policy.name,
+        "steps": cfg.total_steps,
+        "tokens": train.get("tokens", 0),
+        "seconds": seconds,
+        "tokens_per_s": result["tokens_per_s"],
+        **{k: train[k] for k in ("fvu", "explained_variance", "l0", "dead_fraction", "mse") if k in train},
+        **result["eval"],
+    }
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """A few readable lines: training figures, then the held-out splice metrics."""
+    nan = float("nan")
+    lines = [
+        f"SAE {summary['architecture']} {summary['d_in']}x{summary['d_sae']} at {summary['hookpoint']} "
+        f"({summary['precision']}): {summary['tokens']:,} tokens at {summary['tokens_per_s']:,.0f} tokens/s",
+        f"  train (last batch)     FVU {summary.get('fvu', nan):.4f}  L0 {summary.get('l0', nan):.1f}"
+        f"  dead {summary.get('dead_fraction', nan):.1%}",
+    ]
+    if "eval/ce_clean" in summary:
+        lines.append(
+            f"  held-out               FVU {summary['eval/fvu']:.4f}  L0 {summary['eval/l0']:.1f}  "
+            f"CE clean {summary['eval/ce_clean']:.3f}  spliced {summary['eval/ce_spliced']:.3f}  "
+            f"zero {summary['eval/ce_zero']:.3f}  score {summary['eval/ce_loss_score']:.3f}  "
+            f"KL {summary['eval/kl']:.4f}"
+        )
+    return "\n".join(lines)
+
+
+def run_sae_train(cfg: SaeTrainConfig) -> dict[str, Any]:
+    """`assay sae train`."""
+    summary = train_sae(cfg)
+    say(format_summary(summary))
+    say(f"saved to {cfg.out} (SAELens format: cfg.json + sae_weights.safetensors); metrics in metrics.jsonl")
+    return summary
+
+
+def demo_sae(
+    out: str, model: str = "assay-tiny", precision: str = "auto", overwrite: bool = False
+) -> dict[str, Any]:
+    """The README's main-job step: a small TopK SAE on assay-tiny over the bundled general text.
+
+    16x expansion at block 2's output, k=32, 1M tokens; prints and returns its metrics.
+    """
+    from assay.core.config import DataConfig, ModelConfig, RuntimeConfig
+    from assay.core.precision import PrecisionPolicy as _P
+
+    resolved = _P.resolve(precision).name
+    cfg = SaeTrainConfig(
+        out=out,
+        model=ModelConfig(model=model),
+        data=DataConfig("shakespeare"),
+        runtime=RuntimeConfig(precision="bf16" if resolved.startswith("bf16") else "fp32"),
+        training_tokens=1_000_000,
+        eval_contexts=32,
+        overwrite=overwrite,
+    )
+    return run_sae_train(cfg)
