@@ -49,6 +49,16 @@ COMMANDS: dict[str, Command] = {
         "assay.attribution.score:run_score",
         "Attribute queries to the training examples of an index (TrackStar and other modes).",
     ),
+    "sae train": Command(
+        "assay.sae.config:SaeTrainConfig",
+        "assay.sae.train:run_sae_train",
+        "Train a sparse autoencoder on a model's activations at one module (fp32 or bf16 autocast).",
+    ),
+    "sae eval": Command(
+        "assay.sae.config:SaeEvalConfig",
+        "assay.sae.evaluate:run_sae_eval",
+        "Reconstruction and splice metrics (CE loss score, KL) of an SAE in SAELens format.",
+    ),
     "demo": Command(
         "assay.demo:DemoConfig",
         "assay.demo:run_demo",
