@@ -44,6 +44,21 @@ COMMANDS: dict[str, Command] = {
         "assay.attribution.build:run_build",
         "Per-example projected loss gradients of a dataset, streamed to an on-disk index.",
     ),
+    "finetune": Command(
+        "assay.training.finetune:FinetuneConfig",
+        "assay.training.finetune:run_finetune",
+        "Fine-tune a causal LM (full or LoRA) on a dataset or a selected subset.",
+    ),
+    "filter": Command(
+        "assay.attribution.filter:FilterConfig",
+        "assay.attribution.filter:run_filter",
+        "Select training examples by random, loss, gradient cosine or TrackStar scores.",
+    ),
+    "coreset": Command(
+        "assay.experiments.coreset:CoresetConfig",
+        "assay.experiments.coreset:run_coreset",
+        "Data selection proven by retraining: full vs random vs loss vs gradcos vs TrackStar.",
+    ),
     "score": Command(
         "assay.attribution.score:ScoreConfig",
         "assay.attribution.score:run_score",
@@ -58,6 +73,11 @@ COMMANDS: dict[str, Command] = {
         "assay.sae.config:SaeEvalConfig",
         "assay.sae.evaluate:run_sae_eval",
         "Reconstruction and splice metrics (CE loss score, KL) of an SAE in SAELens format.",
+    ),
+    "report": Command(
+        "assay.report.command:ReportConfig",
+        "assay.report.command:run_report",
+        "One self-contained HTML report (charts, top examples, SAE feature browser) of run folders.",
     ),
     "demo": Command(
         "assay.demo:DemoConfig",

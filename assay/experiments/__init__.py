@@ -1,0 +1,1 @@
+"""Experiments that join training and attribution: data selection proven by retraining."""

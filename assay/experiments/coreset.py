@@ -1,0 +1,302 @@
+"""`assay coreset`: data selection proven by retraining, the whole experiment in one command.
+
+Stages (each a finished run folder under OUT/; a rerun skips finished stages and resumes the
+interrupted one):
+
+    data/                    the bundled preset's pool / query / eval files (--preset)
+    full/seed{S}/            fine-tune on the whole pool (seed[0]'s run is the warm-up model)
+    index/{bf16,fp32}/       gradient indexes of the pool under the warm-up model
+    select/{strategy}/       selections (random: one per seed)
+    retrain/{row}/seed{S}/   fine-tune the BASE model on each selection (--ordered by full/seed{S})
+    results.json, results.md, curves.png
+
+Rows: full data, random, loss, gradcos, TrackStar bf16, TrackStar fp32 (gradcos and loss use
+the fp32 index).
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+import tyro
+
+from assay.core.config import DataConfig, ModelConfig, RuntimeConfig
+from assay.core.console import note, say
+from assay.core.errors import AssayError
+from assay.core.runs import CONFIG_FILE, DONE_FILE, RunFolder, read_json, write_json
+
+STAGES_FILE = "stages.json"
+
+
+@dataclass
+class CoresetConfig:
+    """Warm up on the full data, select with each strategy, retrain on each subset, compare."""
+
+    out: tyro.conf.Positional[str]
+    """Experiment folder (every stage in its own subfolder; rerun to resume)."""
+    model: tyro.conf.OmitArgPrefixes[ModelConfig] = field(default_factory=ModelConfig)
+    data: tyro.conf.OmitArgPrefixes[DataConfig] = field(default_factory=DataConfig)
+    runtime: tyro.conf.OmitArgPrefixes[RuntimeConfig] = field(default_factory=RuntimeConfig)
+    preset: Literal["none", "coreset", "targeted"] = "none"
+    """Bundled abc-tunes experiment: coreset (query = the pool) or targeted (query = O'Neill tunes
+    outside the pool, eval = held-out O'Neill tunes). Overrides --dataset, --query* and --eval*."""
+    pool_size: int = 2000
+    """Pool size for the presets."""
+    query_size: int = 64
+    """Query examples for the targeted preset."""
+    seeds: tuple[int, ...] = (0, 1, 2)
+    """Training seeds (random selection is redrawn per seed; seed[0]'s full run is the warm-up)."""
+    fraction: float = 0.1
+    """Fraction of the pool each strategy keeps."""
+    strategies: tuple[str, ...] = ("random", "loss", "gradcos", "trackstar")
+    """Selection strategies to compare with the full data."""
+    index_precisions: tuple[str, ...] = ("bf16", "fp32")
+    """Precisions the gradient index is built at (TrackStar gets one row per precision)."""
+    query: Literal["self", "eval"] = "self"
+    """self: coreset selection; eval: targeted selection with --query_dataset."""
+    query_dataset: str | None = None
+    """Query set for --query eval."""
+    query_split: str = "train"
+    """Split of the query set."""
+    eval_dataset: str | None = None
+    """Dataset the eval loss is measured on (default: --dataset)."""
+    eval_split: str = "eval"
+    """Split of the eval dataset."""
+    eval_filter_column: str | None = None
+    """Keep only eval rows whose column equals --eval_filter_value."""
+    eval_filter_value: str | None = None
+    """The value --eval_filter_column must equal."""
+    learning_rate: float = 1e-3
+    """Peak learning rate of every fine-tune."""
+    num_epochs: int = 2
+    """Epochs of every fine-tune (full and subsets; subsets replay the full run's order)."""
+    effective_batch_size: int = 16
+    """Examples per optimizer step."""
+    micro_batch_size: int = 16
+    """Examples per forward/backward."""
+    warmup_ratio: float = 0.1
+    """Fraction of each run's steps spent warming up."""
+    eval_every: int = 0
+    """Eval-loss points on the curves every N steps (0: before and after only)."""
+    ordered: bool = True
+    """Subset runs visit their examples in the full run's order (removes ordering effects)."""
+    projection_dim: int = 16
+    """Gradient projection width per side."""
+    normalizer: Literal["none", "adafactor", "adam"] = "none"
+    """Optimizer second-moment normalizer for the indexes (estimated from the pool)."""
+    token_batch_size: int = 4096
+    """Most tokens per batch for gradients and evaluation."""
+    overwrite: bool = False
+    """Redo a finished experiment in OUT from scratch."""
+
+    def __post_init__(self) -> None:
+        unknown = set(self.strategies) - {"random", "loss", "gradcos", "trackstar"}
+        if unknown:
+            raise AssayError(
+                f"unknown strategy {sorted(unknown)[0]!r}; choose from random, loss, gradcos, trackstar"
+            )
+        if not self.seeds:
+            raise AssayError("--seeds needs at least one seed")
+        if not 0.0 < self.fraction < 1.0:
+            raise AssayError(f"--fraction must be in (0, 1), got {self.fraction}")
+        if self.query == "eval" and self.preset == "none" and not self.query_dataset:
+            raise AssayError("--query eval needs --query_dataset (or use --preset targeted)")
+
+
+@dataclass
+class Layout:
+    """Where every stage lives, and the resolved data of the experiment."""
+
+    root: Path
+    data: DataConfig
+    query: str
+    query_dataset: str | None
+    query_split: str
+    eval_data: dict[str, Any]
+
+    def full(self, seed: int) -> Path:
+        return self.root / "full" / f"seed{seed}"
+
+    def index(self, precision: str) -> Path:
+        return self.root / "index" / precision
+
+    def selection(self, row: str, seed: int) -> Path:
+        return self.root / "select" / (f"{row}_seed{seed}" if row == "random" else row)
+
+    def retrain(self, row: str, seed: int) -> Path:
+        return self.root / "retrain" / row / f"seed{seed}"
+
+
+def resolve_layout(cfg: CoresetConfig, root: Path) -> Layout:
+    """Apply the preset (writing its data files once) or take the data flags as given."""
+    eval_data = {
+        "eval_dataset": cfg.eval_dataset,
+        "eval_split": cfg.eval_split,
+        "eval_filter_column": cfg.eval_filter_column,
+        "eval_filter_value": cfg.eval_filter_value,
+    }
+    if cfg.preset == "none":
+        return Layout(root, cfg.data, cfg.query, cfg.query_dataset, cfg.query_split, eval_data)
+    from assay.experiments.presets import prepare_preset
+
+    files = prepare_preset(cfg.preset, root / "data", cfg.pool_size, cfg.query_size)
+    data = replace(cfg.data, dataset=files["pool"], split="train", filter_column=None, filter_value=None)
+    eval_data = {"eval_dataset": files["eval"], "eval_split": "train", "eval_filter_column": None}
+    eval_data["eval_filter_value"] = None
+    query = "eval" if cfg.preset == "targeted" else "self"
+    return Layout(root, data, query, files["query"] if query == "eval" else None, "train", eval_data)
+
+
+class Stages:
+    """Run each stage once: a stage whose folder holds a finished run is skipped."""
+
+    def __init__(self, root: Path):
+        self.path = root / STAGES_FILE
+        self.times: dict[str, float] = read_json(self.path) if self.path.exists() else {}
+
+    def run(self, name: str, folder: Path, fn: Any, *args: Any) -> None:
+        if (folder / "run.json").exists():
+            return
+        note(f"--- stage {name}")
+        start = time.perf_counter()
+        fn(*args)
+        self.times[name] = time.perf_counter() - start
+        write_json(self.path, self.times)
+
+
+def finetune_config(cfg: CoresetConfig, lay: Layout, out: Path, seed: int, selection: Path | None) -> Any:
+    from assay.training.finetune import FinetuneConfig
+
+    return FinetuneConfig(
+        out=str(out),
+        model=cfg.model,
+        data=lay.data,
+        runtime=replace(cfg.runtime, seed=seed),
+        selection=str(selection) if selection else None,
+        ordered=str(lay.full(seed)) if selection and cfg.ordered else None,
+        learning_rate=cfg.learning_rate,
+        num_epochs=cfg.num_epochs,
+        effective_batch_size=cfg.effective_batch_size,
+        micro_batch_size=cfg.micro_batch_size,
+        warmup_ratio=cfg.warmup_ratio,
+        eval_every=cfg.eval_every,
+        token_batch_size=cfg.token_batch_size,
+        log_every=1,
+        **lay.eval_data,
+    )
+
+
+def build_index(cfg: CoresetConfig, lay: Layout, precision: str) -> None:
+    from assay.attribution.build import BuildConfig, run_build
+
+    warm = lay.full(cfg.seeds[0]) / "model"
+    run_build(
+        BuildConfig(
+            out=str(lay.index(precision)),
+            model=ModelConfig(model=str(warm), trust_remote_code=cfg.model.trust_remote_code),
+            data=lay.data,
+            runtime=replace(cfg.runtime, precision=precision, seed=cfg.seeds[0]),  # type: ignore[arg-type]
+            projection_dim=cfg.projection_dim,
+            token_batch_size=cfg.token_batch_size,
+            normalizer=cfg.normalizer,
+            preconditioner="trackstar",
+        )
+    )
+
+
+def select(cfg: CoresetConfig, lay: Layout, row: str, seed: int) -> None:
+    from assay.attribution.filter import FilterConfig, run_filter
+
+    strategy, _, precision = row.partition("_")
+    index = None if strategy == "random" else lay.index(precision or "fp32")
+    run_filter(
+        FilterConfig(
+            out=str(lay.selection(row, seed)),
+            data=lay.data,
+            runtime=replace(cfg.runtime, seed=seed),
+            strategy=strategy,  # type: ignore[arg-type]
+            query=lay.query,  # type: ignore[arg-type]
+            query_dataset=lay.query_dataset,
+            query_split=lay.query_split,
+            fraction=cfg.fraction,
+            index=str(index) if index else None,
+            token_batch_size=cfg.token_batch_size,
+        )
+    )
+
+
+def rows_of(cfg: CoresetConfig) -> list[str]:
+    """Table rows after "full": one per strategy, TrackStar once per index precision."""
+    rows = []
+    for s in cfg.strategies:
+        rows += [f"trackstar_{p}" for p in cfg.index_precisions] if s == "trackstar" else [s]
+    return rows
+
+
+def run_stages(cfg: CoresetConfig, lay: Layout, stages: Stages) -> None:
+    from assay.training.finetune import run_finetune
+
+    first = cfg.seeds[0]
+    stages.run(
+        f"full/seed{first}",
+        lay.full(first),
+        run_finetune,
+        finetune_config(cfg, lay, lay.full(first), first, None),
+    )
+    needs_index = {p for r in rows_of(cfg) if r != "random" for p in [r.partition("_")[2] or "fp32"]}
+    for precision in sorted(needs_index):
+        stages.run(f"index/{precision}", lay.index(precision), build_index, cfg, lay, precision)
+    for seed in cfg.seeds:
+        full = lay.full(seed)
+        stages.run(f"full/seed{seed}", full, run_finetune, finetune_config(cfg, lay, full, seed, None))
+        for row in rows_of(cfg):
+            chosen = lay.selection(row, seed)
+            stages.run(f"select/{chosen.name}", chosen, select, cfg, lay, row, seed)
+            out = lay.retrain(row, seed)
+            stages.run(
+                f"retrain/{row}/seed{seed}", out, run_finetune, finetune_config(cfg, lay, out, seed, chosen)
+            )
+
+
+def open_experiment(cfg: CoresetConfig) -> Path:
+    """The experiment folder, written in place (stages refer to each other by path, so it is not
+    renamed at the end): finished when it holds run.json; resumable with the same settings."""
+    root = Path(cfg.out).resolve()
+    folder = RunFolder(root, "coreset", cfg, cfg.overwrite)
+    if (root / DONE_FILE).exists():
+        if not cfg.overwrite:
+            raise AssayError(f"{root} holds a finished experiment; pass --overwrite to redo it from scratch")
+        shutil.rmtree(root)
+    if root.exists() and not (root / CONFIG_FILE).exists():
+        raise AssayError(f"{root} exists and is not an assay coreset experiment; choose another folder")
+    if (root / CONFIG_FILE).exists():
+        old = read_json(root / CONFIG_FILE)["config"]
+        new = dict(folder.record["config"])
+        if {k: v for k, v in old.items() if k != "overwrite"} != {
+            k: v for k, v in new.items() if k != "overwrite"
+        }:
+            raise AssayError(
+                f"{root} holds an experiment with other settings; rerun with the same ones to resume"
+            )
+        note(f"resuming the experiment in {root}")
+    root.mkdir(parents=True, exist_ok=True)
+    write_json(root / CONFIG_FILE, folder.record)
+    return root
+
+
+def run_coreset(cfg: CoresetConfig) -> dict[str, Any]:
+    """Every stage (resumably), then the tables, the overlap and the plot."""
+    from assay.experiments.report import write_report
+
+    root = open_experiment(cfg)
+    lay = resolve_layout(cfg, root)
+    run_stages(cfg, lay, Stages(root))
+    results = write_report(cfg, lay, rows_of(cfg), root)
+    write_json(root / DONE_FILE, {"finished": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+    say((root / "results.md").read_text())
+    say(f"results in {cfg.out}/ (results.md, results.json, curves.png)")
+    return results

@@ -1,0 +1,56 @@
+"""The two bundled experiments' data: a pool, a query set and a target eval set from abc-tunes.
+
+- coreset:  pool = a seeded sample of training tunes from every collection; the pool is its
+  own query; eval = the held-out eval split (all collections).
+- targeted: the same kind of pool; query = O'Neill (Irish) training tunes kept OUT of the pool;
+  target eval = the O'Neill tunes of the held-out eval split (disjoint from the query).
+
+Files are written once into OUT/data as JSON lines (text, collection, title, source_row).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from assay.core import corpora
+from assay.core.paths import cache_dir
+
+PRESETS = ("coreset", "targeted")
+TARGET_COLLECTION = "oneill"
+
+
+def _read(split: str) -> list[dict[str, Any]]:
+    folder = corpora.prepare("abc-tunes", cache_dir())
+    rows = [json.loads(line) for line in (folder / f"{split}.jsonl").read_text().splitlines()]
+    return [r | {"source_row": i} for i, r in enumerate(rows)]
+
+
+def _write(path: Path, rows: list[dict[str, Any]]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    tmp.replace(path)
+
+
+def prepare_preset(name: str, folder: Path, pool_size: int, query_size: int) -> dict[str, str]:
+    """Write pool.jsonl (+ query.jsonl, target.jsonl) once; returns their paths by role."""
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = {role: folder / f"{role}.jsonl" for role in ("pool", "query", "eval")}
+    if all(p.exists() for p in paths.values()):
+        return {k: str(v) for k, v in paths.items()}
+    train, held_out = _read("train"), _read("eval")
+    order = np.random.default_rng(1234).permutation(len(train))
+    if name == "targeted":
+        target = [i for i in order if train[i]["collection"] == TARGET_COLLECTION]
+        query_rows = set(int(i) for i in target[:query_size])
+        order = np.array([i for i in order if int(i) not in query_rows])
+        _write(paths["query"], [train[i] for i in sorted(query_rows)])
+        _write(paths["eval"], [r for r in held_out if r["collection"] == TARGET_COLLECTION])
+    else:
+        _write(paths["query"], [])
+        _write(paths["eval"], held_out)
+    _write(paths["pool"], [train[int(i)] for i in sorted(order[:pool_size])])
+    return {k: str(v) for k, v in paths.items()}

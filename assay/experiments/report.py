@@ -1,0 +1,173 @@
+"""The coreset experiment's report: markdown + JSON tables, selection overlap, loss curves."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from assay.core.runs import read_json, write_json
+
+LABELS = {
+    "full": "full data",
+    "random": "random",
+    "loss": "loss (highest)",
+    "gradcos": "gradient cosine",
+    "trackstar_bf16": "TrackStar bf16",
+    "trackstar_fp32": "TrackStar fp32",
+}
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    arr = np.asarray(values, dtype=np.float64)
+    return {"mean": float(arr.mean()), "std": float(arr.std(ddof=1)) if len(arr) > 1 else 0.0}
+
+
+def collect_rows(cfg: Any, lay: Any, rows: list[str]) -> dict[str, dict[str, Any]]:
+    """Per row: per-seed pool/eval/train losses and wall times, and their mean ± std."""
+    out: dict[str, dict[str, Any]] = {}
+    for row in ["full", *rows]:
+        runs = [
+            read_json((lay.full(s) if row == "full" else lay.retrain(row, s)) / "summary.json")
+            for s in cfg.seeds
+        ]
+        pool = [r["train_loss"] if row == "full" else r["pool_loss"] for r in runs]
+        evals = [r["eval_loss"] for r in runs]
+        out[row] = {
+            "label": LABELS.get(row, row),
+            "seeds": list(cfg.seeds),
+            "pool_loss": pool,
+            "eval_loss": evals,
+            "train_loss": [r["train_loss"] for r in runs],
+            "wall_s": [r["wall_s"] for r in runs],
+            "examples": runs[0]["examples"],
+            "steps": runs[0]["steps"],
+            "pool_loss_stats": _stats(pool),
+            "eval_loss_stats": _stats(evals),
+            "wall_s_stats": _stats([r["wall_s"] for r in runs]),
+        }
+    if "random" in out:
+        base = np.asarray(out["random"]["eval_loss"])
+        for entry in out.values():
+            diff = np.asarray(entry["eval_loss"]) - base
+            entry["eval_vs_random"] = {
+                "mean": float(diff.mean()),
+                "wins": int((diff < 0).sum()),
+                "of": len(diff),
+            }
+    return out
+
+
+def selection_facts(cfg: Any, lay: Any, rows: list[str]) -> dict[str, Any]:
+    """bf16 vs fp32 TrackStar overlap, and (with a collection column) the share of each collection."""
+    from assay.attribution.filter import overlap, read_selection
+
+    seed = cfg.seeds[0]
+    chosen = {row: read_selection(lay.selection(row, seed)) for row in rows}
+    facts: dict[str, Any] = {}
+    if "trackstar_bf16" in chosen and "trackstar_fp32" in chosen:
+        facts["overlap_trackstar_bf16_fp32"] = overlap(chosen["trackstar_bf16"], chosen["trackstar_fp32"])
+    pool_file = Path(lay.data.dataset)
+    if pool_file.suffix == ".jsonl":
+        groups = [json.loads(line).get("collection") for line in pool_file.read_text().splitlines()]
+        if any(groups):
+            facts["collection_share"] = {row: _shares(groups, ids) for row, ids in chosen.items()}
+            facts["collection_share"]["pool"] = _shares(groups, np.arange(len(groups)))
+    return facts
+
+
+def _shares(groups: list[Any], ids: np.ndarray) -> dict[str, float]:
+    picked = [groups[int(i)] for i in ids]
+    return {g: picked.count(g) / len(picked) for g in sorted(set(groups), key=str)}
+
+
+def stage_times(root: Path) -> dict[str, float]:
+    """Seconds per stage kind (summed over seeds), from stages.json."""
+    times = read_json(root / "stages.json") if (root / "stages.json").exists() else {}
+    kinds: dict[str, float] = {}
+    for name, seconds in times.items():
+        parts = name.split("/")
+        kind = "/".join(parts[:2]) if parts[0] in ("index", "retrain") else parts[0]
+        kinds[kind] = kinds.get(kind, 0.0) + seconds
+    return kinds
+
+
+def markdown(results: dict[str, Any]) -> str:
+    rows, facts = results["rows"], results["selection"]
+    n = len(results["seeds"])
+    lines = [
+        f"| selection | examples | pool loss (mean ± std) | eval loss (mean ± std) "
+        f"| eval − random (wins of {n}) | per-seed eval | wall s / run |",
+        "|---|---:|---:|---:|---:|---|---:|",
+    ]
+    for row in rows.values():
+        p, e, w = row["pool_loss_stats"], row["eval_loss_stats"], row["wall_s_stats"]
+        vs = row.get("eval_vs_random")
+        vs_text = f"{vs['mean']:+.4f} ({vs['wins']}/{vs['of']})" if vs else "–"
+        seeds = ", ".join(f"{v:.4f}" for v in row["eval_loss"])
+        lines.append(
+            f"| {row['label']} | {row['examples']} | {p['mean']:.4f} ± {p['std']:.4f} "
+            f"| {e['mean']:.4f} ± {e['std']:.4f} | {vs_text} | {seeds} | {w['mean']:.1f} |"
+        )
+    if "overlap_trackstar_bf16_fp32" in facts:
+        lines += [
+            "",
+            f"TrackStar selection overlap, bf16 vs fp32 index: {facts['overlap_trackstar_bf16_fp32']:.1%}",
+        ]
+    if "collection_share" in facts:
+        lines += [
+            "",
+            "Share of each collection in the selections (seed " + str(results["seeds"][0]) + "):",
+            "",
+        ]
+        groups = list(facts["collection_share"]["pool"])
+        lines += ["| selection | " + " | ".join(groups) + " |", "|---|" + "---:|" * len(groups)]
+        for row, share in facts["collection_share"].items():
+            lines.append(
+                f"| {LABELS.get(row, row)} | " + " | ".join(f"{share[g]:.0%}" for g in groups) + " |"
+            )
+    lines += [
+        "",
+        "Wall time per stage (s): " + ", ".join(f"{k} {v:.0f}" for k, v in results["stage_s"].items()),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def plot_curves(lay: Any, rows: list[str], seed: int, path: Path) -> None:
+    """Train loss (per step) and eval loss of every row's run at `seed`, one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for row in ["full", *rows]:
+        folder = lay.full(seed) if row == "full" else lay.retrain(row, seed)
+        log = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
+        train = [(r["step"], r["train_loss"]) for r in log if "train_loss" in r and not r.get("final")]
+        evals = [(r["step"], r["eval_loss"]) for r in log if r.get("eval_loss") is not None]
+        left.plot(*zip(*train), label=LABELS.get(row, row), lw=1)
+        right.plot(*zip(*evals), marker="o", label=LABELS.get(row, row), lw=1)
+    left.set(xlabel="optimizer step", ylabel="train loss (nats/token)", title="training loss")
+    right.set(xlabel="optimizer step", ylabel="eval loss (nats/token)", title="eval loss")
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_report(cfg: Any, lay: Any, rows: list[str], root: Path) -> dict[str, Any]:
+    results = {
+        "seeds": list(cfg.seeds),
+        "fraction": cfg.fraction,
+        "query": lay.query,
+        "rows": collect_rows(cfg, lay, rows),
+        "selection": selection_facts(cfg, lay, rows),
+        "stage_s": stage_times(root),
+    }
+    write_json(root / "results.json", results)
+    (root / "results.md").write_text(markdown(results))
+    plot_curves(lay, rows, cfg.seeds[0], root / "curves.png")
+    return results

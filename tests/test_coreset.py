@@ -1,0 +1,125 @@
+"""Regression test: a small deterministic targeted-selection experiment.
+
+The pool mixes two domains: 10% folk-tune-like lines (the target domain) and 90% prose.
+The query and eval sets are held-out target-domain lines. TrackStar selection against the
+query must find the target domain and beat a random selection of equal size on the target
+eval loss by a margin after retraining, and retraining on the LOWEST TrackStar scores must
+do worse than on the highest by the same margin (if the scores carried no signal the two
+tails would tie, so the test can fail).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from assay.attribution.filter import FilterConfig, read_selection, run_filter
+from assay.core.config import DataConfig, ModelConfig, RuntimeConfig
+from assay.core.errors import AssayError
+from assay.experiments.coreset import CoresetConfig, run_coreset
+from assay.training.finetune import run_finetune
+
+NOTES = "ABcdefgab"
+WORDS = "the king and queen of night walk slowly over fields where rivers run under cold grey skies".split()
+MARGIN = 0.1  # nats/token TrackStar must beat random by on the target domain
+
+
+def tune(rng: np.random.Generator) -> str:
+    bars = ["".join(rng.choice(list(NOTES), size=4)) + "2" for _ in range(4)]
+    return "X:1\nK:D\n|" + "|".join(bars) + "|]"
+
+
+def prose(rng: np.random.Generator) -> str:
+    return " ".join(rng.choice(WORDS, size=12)) + "."
+
+
+def write(path: Path, texts: list[str], kinds: list[str]) -> str:
+    path.write_text("".join(json.dumps({"text": t, "collection": k}) + "\n" for t, k in zip(texts, kinds)))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def experiment(tmp_path_factory, tiny_model_dir):
+    root = tmp_path_factory.mktemp("targeted")
+    rng = np.random.default_rng(0)
+    kinds = ["tune"] * 12 + ["prose"] * 108
+    kinds = [kinds[i] for i in rng.permutation(len(kinds))]
+    pool = write(root / "pool.jsonl", [tune(rng) if k == "tune" else prose(rng) for k in kinds], kinds)
+    query = write(root / "query.jsonl", [tune(rng) for _ in range(8)], ["tune"] * 8)
+    target = write(root / "eval.jsonl", [tune(rng) for _ in range(16)], ["tune"] * 16)
+    cfg = CoresetConfig(
+        out=str(root / "exp"),
+        model=ModelConfig(model=str(tiny_model_dir)),
+        data=DataConfig(dataset=pool, max_length=64),
+        runtime=RuntimeConfig(precision="fp32", attention="eager"),
+        seeds=(0,),
+        strategies=("random", "trackstar"),
+        index_precisions=("fp32",),
+        query="eval",
+        query_dataset=query,
+        query_split="train",
+        eval_dataset=target,
+        eval_split="train",
+        learning_rate=3e-3,
+        num_epochs=3,
+        effective_batch_size=4,
+        micro_batch_size=4,
+        token_batch_size=2048,
+    )
+    results = run_coreset(cfg)
+    return cfg, results, root
+
+
+def test_trackstar_finds_the_target_domain(experiment):
+    cfg, results, root = experiment
+    share = results["selection"]["collection_share"]
+    assert share["pool"]["tune"] == pytest.approx(0.1)
+    assert share["trackstar_fp32"]["tune"] >= 0.75
+
+
+def test_trackstar_beats_random_and_the_other_tail_does_not(experiment):
+    cfg, results, root = experiment
+    rows = results["rows"]
+    random_loss = rows["random"]["eval_loss"][0]
+    trackstar_loss = rows["trackstar_fp32"]["eval_loss"][0]
+    assert trackstar_loss < random_loss - MARGIN, (trackstar_loss, random_loss)
+    # the control: the bottom of the same ranking, retrained the same way
+    exp = Path(cfg.out)
+    lowest = run_filter(
+        FilterConfig(
+            out=str(root / "lowest"),
+            data=cfg.data,
+            strategy="trackstar",
+            query="eval",
+            query_dataset=cfg.query_dataset,
+            query_split="train",
+            fraction=cfg.fraction,
+            lowest=True,
+            index=str(exp / "index" / "fp32"),
+        )
+    )
+    assert lowest["num_selected"] == 12
+    assert not set(read_selection(root / "lowest")) & set(read_selection(exp / "select" / "trackstar_fp32"))
+    retrained = json.loads((exp / "retrain" / "random" / "seed0" / "config.json").read_text())["config"]
+    from assay.core.runs import config_from_dict
+    from assay.training.finetune import FinetuneConfig
+
+    ft = config_from_dict(FinetuneConfig, retrained)
+    ft = replace(ft, out=str(root / "retrain_lowest"), selection=str(root / "lowest"))
+    assert run_finetune(ft)["eval_loss"] > trackstar_loss + MARGIN  # the ranking's direction matters
+
+
+def test_experiment_outputs_and_resume(experiment, capsys):
+    cfg, results, root = experiment
+    exp = Path(cfg.out)
+    for name in ("results.md", "results.json", "curves.png", "stages.json"):
+        assert (exp / name).exists()
+    assert "TrackStar fp32" in (exp / "results.md").read_text()
+    stages = json.loads((exp / "stages.json").read_text())
+    assert {"full/seed0", "index/fp32", "retrain/random/seed0", "retrain/trackstar_fp32/seed0"} <= set(stages)
+    with pytest.raises(AssayError, match="finished"):
+        run_coreset(cfg)
