@@ -28,8 +28,6 @@ from torch import Tensor, nn
 from assay.sae.config import SaeArchConfig
 
 THRESHOLD_BETA = 0.999  # BatchTopK threshold EMA (as in dictionary_learning)
-# The sparse backward builds CSR patterns every step; torch warns that CSR is "beta" each time.
-warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
 
 
 class SparseCodes(NamedTuple):
@@ -115,7 +113,9 @@ class _SparseDecode(torch.autograd.Function):
         grad_W_dec = torch.sparse.mm(s_t, grad_out)  # [d_sae, d_in]
         crow = torch.cat([offsets, offsets.new_tensor([nnz])])
         zeros = torch.zeros_like(vals, dtype=W_dec.dtype)
-        pattern = torch.sparse_csr_tensor(crow, cols, zeros, (n, W_dec.shape[0]), check_invariants=False)
+        with warnings.catch_warnings():  # torch calls CSR support "beta" on every construction
+            warnings.simplefilter("ignore")
+            pattern = torch.sparse_csr_tensor(crow, cols, zeros, (n, W_dec.shape[0]), check_invariants=False)
         grad_vals = torch.sparse.sampled_addmm(pattern, grad_out, W_dec.t(), beta=0.0).values()  # [nnz]
         return grad_vals.to(vals.dtype), None, None, None, grad_W_dec
 

@@ -1,0 +1,230 @@
+"""SAE model, precision, metrics and format: checked against independent references."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from assay.core.errors import AssayError
+from assay.core.precision import PrecisionPolicy
+from assay.core.runs import config_from_dict, config_to_dict
+from assay.sae.config import SaeArchConfig, SaeTrainConfig
+from assay.sae.metrics import DeadLatents, ReconstructionStats, fvu
+from assay.sae.model import SparseAutoencoder, select_active
+from assay.sae.saelens_format import load_sae, save_sae
+from assay.sae.train import make_optimizer, train_step
+
+ARCHS = ("relu", "topk", "batchtopk", "jumprelu")
+
+
+def make_sae(
+    arch: str, d_in: int = 16, d_sae: int = 128, k: int = 4, seed: int = 0, **kw
+) -> SparseAutoencoder:
+    torch.manual_seed(seed)
+    sae = SparseAutoencoder(d_in, d_sae, SaeArchConfig(architecture=arch, k=k, **kw))  # type: ignore[arg-type]
+    with torch.no_grad():  # non-trivial biases so every term of the maths is exercised
+        sae.b_dec.normal_(0, 0.3)
+        sae.b_enc.normal_(0, 0.1)
+        sae.W_enc.mul_(10)
+    return sae
+
+
+def test_topk_keeps_exactly_k_latents_per_token() -> None:
+    sae = make_sae("topk", k=5)
+    x = torch.randn(64, 16)
+    pre = sae.pre_acts(x)
+    rows, cols = select_active(pre, "topk", 5)
+    assert torch.equal(torch.bincount(rows, minlength=64), torch.full((64,), 5))
+    kth = pre.topk(5, dim=-1).values[:, -1]  # independent reference: the 5th largest per row
+    assert bool((pre[rows, cols] >= kth[rows]).all())
+    z = sae.encode(x)
+    assert bool(((z > 0).sum(-1) <= 5).all()) and int((z > 0).sum()) > 0
+    assert torch.allclose(z[rows, cols], F.relu(pre[rows, cols]))
+
+
+def test_batchtopk_keeps_k_per_token_on_average_and_its_threshold_reproduces_the_selection() -> None:
+    sae = make_sae("batchtopk", k=4)
+    x = torch.randn(32, 16)
+    with torch.no_grad():
+        out = sae.train_forward(x, None, 0.0)
+    pre = sae.pre_acts(x).detach()
+    rows, cols = select_active(pre, "batchtopk", 4)
+    assert rows.numel() == 4 * 32  # k*N over the batch...
+    assert len(set(torch.bincount(rows, minlength=32).tolist())) > 1  # ...unevenly per token
+    assert out.min_kept is not None
+    assert float(out.min_kept) == pytest.approx(float(pre[rows, cols].min()))
+    sae.update_threshold(out.min_kept, first=True)
+    assert sae.threshold_buf.dtype == torch.float32
+    assert torch.all(sae.threshold_buf == out.min_kept)
+    # JumpReLU with that threshold keeps exactly the batch's selection (pre >= t <=> kept)
+    z = F.relu(pre) * (pre >= sae.threshold_buf)
+    assert torch.equal((z > 0).nonzero().T, torch.stack([rows, cols]))
+    sae.update_threshold(torch.tensor(0.0), first=False)  # EMA step
+    assert float(sae.threshold_buf[0]) == pytest.approx(0.999 * float(out.min_kept))
+
+
+@pytest.mark.parametrize("arch", ["topk", "batchtopk"])
+def test_sparse_kernels_match_dense_autograd(arch: str) -> None:
+    x = torch.randn(48, 16)
+    dead = torch.zeros(128, dtype=torch.bool)
+    dead[::3] = True  # exercises the AuxK path too
+    grads, losses = [], []
+    for sparse in (True, False):
+        sae = make_sae(arch, sparse_kernels=sparse, aux_k=6)
+        out = sae.train_forward(x, dead, 0.0)
+        out.loss.backward()
+        losses.append((float(out.loss.detach()), float(out.aux.detach())))
+        grads.append({n: p.grad.clone() for n, p in sae.named_parameters()})
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+    assert losses[0][1] > 0
+    for name in grads[0]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], rtol=1e-4, atol=1e-6)
+
+
+def test_jumprelu_threshold_gradient_is_the_straight_through_estimator() -> None:
+    sae = make_sae("jumprelu", jumprelu_bandwidth=0.5)
+    x = torch.randn(20, 16)
+    out = sae.train_forward(x, None, sparsity_coef=0.0)
+    out.loss.backward()
+    got = sae.log_threshold.grad.clone()
+    # reference: d loss / d t_j = sum_n dL/dz[n,j] * (-t_j / eps) * 1{|pre - t_j| < eps/2}; chain to log t
+    pre = sae.pre_acts(x).detach()
+    t = sae.threshold().detach()
+    z = (pre * (pre > t)).requires_grad_(True)
+    loss = (sae.decode(z) - x).pow(2).sum(-1).mean()
+    (dz,) = torch.autograd.grad(loss, z)
+    window = ((pre - t).abs() < 0.25).float()
+    expected = (dz * (-t / 0.5) * window).sum(0) * t
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-7)
+
+
+class _RecordDtypes(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.matmuls: list[torch.dtype] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func.__name__.split(".")[0] in ("mm", "addmm"):
+            self.matmuls.append(args[1].dtype if func.__name__.startswith("addmm") else args[0].dtype)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("arch", ["topk", "relu"])
+def test_bf16_autocast_region_matmuls_bf16_params_and_adam_fp32(arch: str) -> None:
+    sae = make_sae(arch, d_in=32, d_sae=256)
+    opt = make_optimizer(sae, 1e-3)
+    policy = PrecisionPolicy.resolve("bf16", "cpu")
+    dead = DeadLatents(256, window=10**9)
+    in_backward: list[bool] = []
+    sae.W_enc.register_hook(lambda g: in_backward.append(torch.is_autocast_enabled("cpu")) or g)
+    forward_inside = {}
+    sae.W_dec.register_hook(lambda g: g)
+    orig = sae.train_forward
+
+    def spy(*a, **k):  # type: ignore[no-untyped-def]
+        forward_inside["autocast"] = torch.is_autocast_enabled("cpu")
+        with _RecordDtypes() as rec:
+            out = orig(*a, **k)
+        forward_inside["matmuls"] = rec.matmuls
+        return out
+
+    sae.train_forward = spy  # type: ignore[method-assign]
+    train_step(sae, opt, torch.randn(64, 32), dead, policy, 1e-3, 0.1, 1.0, first=True)
+    assert forward_inside["autocast"] is True
+    assert forward_inside["matmuls"] and set(forward_inside["matmuls"]) == {torch.bfloat16}
+    assert in_backward == [False]  # backward ran outside the autocast region
+    assert all(p.dtype == torch.float32 for p in sae.parameters())
+    states = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.numel() > 1]
+    assert states and all(v.dtype == torch.float32 for v in states)
+    assert dead.since.dtype == torch.int64 and sae.act_scale.dtype == torch.float32
+
+
+def test_fp16_and_bf16_pure_are_refused_with_a_clear_message() -> None:
+    from assay.core.config import RuntimeConfig
+
+    with pytest.raises(AssayError, match="fp16 is not supported.*bf16"):
+        SaeTrainConfig(out="x", runtime=RuntimeConfig(precision="fp16"))
+    with pytest.raises(AssayError, match="bf16-pure"):
+        SaeTrainConfig(out="x", runtime=RuntimeConfig(precision="bf16-pure"))
+
+
+def test_cli_refuses_fp16_with_exit_code_2(capsys: pytest.CaptureFixture[str]) -> None:
+    from assay.cli import main
+
+    assert main(["sae", "train", "out", "--precision", "fp16"]) == 2
+    assert "use --precision bf16" in capsys.readouterr().err
+
+
+def test_config_json_round_trip() -> None:
+    cfg = SaeTrainConfig(
+        out="o", hookpoint="model.layers.1", sae=SaeArchConfig(architecture="jumprelu", d_sae=77)
+    )
+    data = json.loads(json.dumps(config_to_dict(cfg)))
+    assert data["runtime"]["precision"] == "fp32"  # a string, not a torch.dtype
+    assert config_from_dict(SaeTrainConfig, data) == cfg
+
+
+def test_dead_latent_counting_over_a_token_window() -> None:
+    dead = DeadLatents(4, window=100)
+    fired = torch.tensor([3, 0, 0, 1])
+    for _ in range(2):
+        dead.update(fired, 40)
+    assert dead.fraction() == 0.0  # 80 tokens < window
+    dead.update(torch.tensor([0, 0, 1, 0]), 40)
+    assert dead.mask().tolist() == [False, True, False, False]  # latent 1: 120 tokens silent
+    assert dead.since.tolist() == [40, 120, 0, 40]
+    assert dead.fraction() == 0.25
+
+
+def test_reconstruction_stats_equal_whole_batch_numpy_reference() -> None:
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(300, 8)) * 3 + 1
+    x_hat = x + rng.normal(size=x.shape)
+    z = (rng.random((300, 20)) < 0.1).astype(np.float32)
+    stats = ReconstructionStats(8, 20)
+    for i in range(0, 300, 70):  # accumulation over uneven batches
+        stats.update(*(torch.from_numpy(a[i : i + 70]) for a in (x, x_hat, z)))
+    r = stats.result()
+    ref_fvu = ((x - x_hat) ** 2).sum() / ((x - x.mean(0)) ** 2).sum()
+    assert r["fvu"] == pytest.approx(ref_fvu, rel=1e-9)
+    assert r["fvu"] == pytest.approx(fvu(torch.from_numpy(x), torch.from_numpy(x_hat)), rel=1e-9)
+    assert r["mse"] == pytest.approx(((x - x_hat) ** 2).sum(-1).mean())
+    assert r["l0"] == pytest.approx(z.sum(-1).mean())
+
+
+def test_folding_normalisation_keeps_the_function_on_raw_activations() -> None:
+    sae = make_sae("topk")
+    sae.act_scale.fill_(0.37)
+    x_raw = torch.randn(10, 16) * 5
+    folded = sae.folded()
+    assert float(folded.act_scale) == 1.0
+    torch.testing.assert_close(folded.reconstruct(x_raw), sae.reconstruct(x_raw), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(folded.encode(x_raw), sae.encode(x_raw * 0.37), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_save_load_round_trip(arch: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    sae = make_sae(arch)
+    sae.act_scale.fill_(2.5)
+    if arch == "batchtopk":
+        sae.threshold_buf.fill_(0.3)
+    x_raw = torch.randn(12, 16)
+    meta = {"model_name": "m", "hook_name": "model.layers.2", "context_size": 64}
+    save_sae(tmp_path, sae, meta, log_densities=torch.full((128,), -2.0))
+    loaded, got_meta = load_sae(tmp_path)
+    torch.testing.assert_close(loaded.reconstruct(x_raw), sae.reconstruct(x_raw), rtol=1e-5, atol=1e-5)
+    assert got_meta["hook_name"] == "model.layers.2" and got_meta["context_size"] == 64
+    cfg = json.loads((tmp_path / "cfg.json").read_text())
+    assert cfg["architecture"] == {"relu": "standard", "topk": "topk"}.get(arch, "jumprelu")
+    assert cfg["normalize_activations"] == "none"
+
+
+def test_load_rejects_a_folder_without_weights(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    (tmp_path / "cfg.json").write_text("{}")
+    with pytest.raises(AssayError, match="not an SAE folder"):
+        load_sae(tmp_path)
