@@ -37,7 +37,8 @@ class RowSource(Protocol):
     num_rows: int
     dim: int
 
-    def read(self, start: int, stop: int) -> torch.Tensor:  # [stop-start, D] fp32
+    def read(self, start: int, stop: int, slot: int = 0) -> torch.Tensor:  # [stop-start, D] fp32
+        """Rows start..stop. The result may live in buffer `slot` until that slot is read again."""
         ...
 
 
@@ -58,20 +59,36 @@ class ArrayRows:
         self.scales = scales
         self.num_rows, self.dim = (int(s) for s in array.shape)
         self._file = _backing_file(array)
+        self._slots: dict[int, tuple[np.ndarray, torch.Tensor]] = {}
 
-    def read(self, start: int, stop: int) -> torch.Tensor:
+    def read(self, start: int, stop: int, slot: int = 0) -> torch.Tensor:
+        n = stop - start
+        raw, rows = self._buffers(slot, n)
         if self._file is None:
-            block = np.ascontiguousarray(self.array[start:stop])
+            raw[:n] = self.array[start:stop]
         else:
             path, offset = self._file
-            block = np.empty((stop - start, self.dim), dtype=self.array.dtype)
             with open(path, "rb", buffering=0) as f:
                 f.seek(offset + start * self.dim * self.array.itemsize)
-                f.readinto(block.data.cast("B"))
-        rows = torch.from_numpy(block).to(STATS_DTYPE)
+                if f.readinto(raw[:n].data.cast("B")) != raw[:n].nbytes:
+                    raise AssayError(f"{path} is shorter than its header says: a damaged index")
+        if raw.dtype == np.float32:
+            out = torch.from_numpy(raw[:n])  # already fp32: no second copy
+        else:
+            out = rows[:n]
+            out.copy_(torch.from_numpy(raw[:n]))  # the cast to fp32, into a reused buffer
         if self.scales is not None:
-            rows *= torch.from_numpy(np.asarray(self.scales[start:stop], dtype=np.float32))[:, None]
-        return rows
+            out *= torch.from_numpy(np.asarray(self.scales[start:stop], dtype=np.float32))[:, None]
+        return out
+
+    def _buffers(self, slot: int, n: int) -> tuple[np.ndarray, torch.Tensor]:
+        """(raw [n, D] store dtype, [n, D] fp32) buffers of this slot, grown when needed."""
+        have = self._slots.get(slot)
+        if have is None or have[0].shape[0] < n:
+            cast = self.array.dtype != np.float32
+            have = (np.empty((n, self.dim), self.array.dtype), torch.empty(n if cast else 0, self.dim))
+            self._slots[slot] = have
+        return have
 
 
 def _backing_file(array: np.ndarray) -> tuple[str, int] | None:
@@ -96,7 +113,7 @@ class TensorRows:
         self.tensor = tensor
         self.num_rows, self.dim = (int(s) for s in tensor.shape)
 
-    def read(self, start: int, stop: int) -> torch.Tensor:
+    def read(self, start: int, stop: int, slot: int = 0) -> torch.Tensor:
         return self.tensor[start:stop].to(STATS_DTYPE)
 
 
@@ -215,14 +232,14 @@ def score_rows(
     running = RunningTop(columns, top_k)
     starts = list(range(0, source.num_rows, max(chunk_rows, 1)))
     with ThreadPoolExecutor(max_workers=1) as pool:
-        pending = pool.submit(source.read, 0, min(chunk_rows, source.num_rows)) if starts else None
+        pending = pool.submit(source.read, 0, min(chunk_rows, source.num_rows), 0) if starts else None
         for i, start in enumerate(starts):
             stop = min(start + chunk_rows, source.num_rows)
             assert pending is not None
             rows = pending.result().to(plan.vectors.device)
             if i + 1 < len(starts):  # read the next chunk while this one is scored
                 nxt = starts[i + 1]
-                pending = pool.submit(source.read, nxt, min(nxt + chunk_rows, source.num_rows))
+                pending = pool.submit(source.read, nxt, min(nxt + chunk_rows, source.num_rows), (i + 1) % 2)
             scores = chunk_scores(plan, rows)
             running.update(scores, start)
             if scores_out is not None:
