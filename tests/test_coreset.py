@@ -55,7 +55,7 @@ def experiment(tmp_path_factory, tiny_model_dir):
         out=str(root / "exp"),
         model=ModelConfig(model=str(tiny_model_dir)),
         data=DataConfig(dataset=pool, max_length=64),
-        runtime=RuntimeConfig(precision="fp32", attention="eager"),
+        runtime=RuntimeConfig(precision="fp32", attention="eager", threads=1),
         seeds=(0,),
         strategies=("random", "trackstar"),
         index_precisions=("fp32",),

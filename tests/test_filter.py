@@ -31,7 +31,7 @@ def cfg(pool: dict, model_dir: Path, name: str, **kw) -> FilterConfig:
         out=str(pool["root"] / name),
         model=ModelConfig(model=str(model_dir)),
         data=DataConfig(dataset=pool["pool"], max_length=64),
-        runtime=RuntimeConfig(precision="fp32", seed=kw.pop("seed", 0), attention="eager"),
+        runtime=RuntimeConfig(precision="fp32", seed=kw.pop("seed", 0), attention="eager", threads=1),
         **kw,
     )
 

@@ -35,7 +35,9 @@ def data_jsonl(tmp_path) -> Path:
 
 
 def make_cfg(out: Path, model_dir: Path, data: Path, **kw) -> ft.FinetuneConfig:
-    runtime = RuntimeConfig(precision=kw.pop("precision", "fp32"), seed=kw.pop("seed", 0), attention="eager")
+    runtime = RuntimeConfig(
+        precision=kw.pop("precision", "fp32"), seed=kw.pop("seed", 0), attention="eager", threads=1
+    )
     model = ModelConfig(model=str(model_dir), lora_rank=kw.pop("lora_rank", 0))
     defaults = dict(
         effective_batch_size=8,
