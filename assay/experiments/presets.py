@@ -25,13 +25,14 @@ TARGET_COLLECTION = "oneill"
 
 def _read(split: str) -> list[dict[str, Any]]:
     folder = corpora.prepare("abc-tunes", cache_dir())
-    rows = [json.loads(line) for line in (folder / f"{split}.jsonl").read_text().splitlines()]
+    with open(folder / f"{split}.jsonl", encoding="utf-8") as f:  # not splitlines(): texts hold \x1c etc.
+        rows = [json.loads(line) for line in f if line.strip()]
     return [r | {"source_row": i} for i, r in enumerate(rows)]
 
 
 def _write(path: Path, rows: list[dict[str, Any]]) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
     tmp.replace(path)
 
 

@@ -71,7 +71,8 @@ def selection_facts(cfg: Any, lay: Any, rows: list[str]) -> dict[str, Any]:
         facts["overlap_trackstar_bf16_fp32"] = overlap(chosen["trackstar_bf16"], chosen["trackstar_fp32"])
     pool_file = Path(lay.data.dataset)
     if pool_file.suffix == ".jsonl":
-        groups = [json.loads(line).get("collection") for line in pool_file.read_text().splitlines()]
+        with open(pool_file, encoding="utf-8") as f:
+            groups = [json.loads(line).get("collection") for line in f if line.strip()]
         if any(groups):
             facts["collection_share"] = {row: _shares(groups, ids) for row, ids in chosen.items()}
             facts["collection_share"]["pool"] = _shares(groups, np.arange(len(groups)))
