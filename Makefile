@@ -30,3 +30,11 @@ test: lint
 
 clean:
 	rm -rf $(VENV) demo-out
+
+# SAELens round trip (and W&B offline logging) in a separate env: the peers never enter .venv.
+PEERS ?= .venv-peers
+.PHONY: test-interop
+test-interop:
+	test -x $(PEERS)/bin/python || python3 -m venv $(PEERS)
+	$(PEERS)/bin/python -m pip install -q "$(TORCH)" sae-lens eai-sparsify "tyro>=0.9" pytest
+	PYTHONPATH=. $(PEERS)/bin/python -m pytest -q -p no:cacheprovider tests/interop
