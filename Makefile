@@ -38,3 +38,10 @@ test-interop:
 	test -x $(PEERS)/bin/python || python3 -m venv $(PEERS)
 	$(PEERS)/bin/python -m pip install -q "$(TORCH)" sae-lens eai-sparsify "tyro>=0.9" pytest
 	PYTHONPATH=. $(PEERS)/bin/python -m pytest -q -p no:cacheprovider tests/interop
+
+# Headless Chromium for the report's browser test (tests/test_report.py); idempotent.
+.PHONY: browser
+browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+	  { if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
+	    $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q chromium; }

@@ -1,0 +1,187 @@
+"""The view of an `assay coreset` experiment: results table, loss curves, bf16/fp32 overlap.
+
+Reads results.json (written at the end of the experiment) and each retraining run's
+metrics.jsonl (full/seed{S}/, retrain/{row}/seed{S}/); while the experiment is running only
+the finished stages show.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from assay.report import charts
+from assay.report import html as h
+from assay.report.common import missing_note, settings_block, unfinished_note
+from assay.report.runs import Run, try_open_run
+
+LABELS = {
+    "full": "full data",
+    "random": "random",
+    "loss": "loss (highest)",
+    "gradcos": "gradient cosine",
+    "trackstar_bf16": "TrackStar bf16",
+    "trackstar_fp32": "TrackStar fp32",
+}
+
+
+def _stat(entry: dict, key: str) -> str:
+    s = entry.get(f"{key}_stats") or {}
+    if "mean" not in s:
+        return "–"
+    return f"{s['mean']:.4f} ± {s.get('std', 0.0):.4f}"
+
+
+def results_table(rows: dict[str, dict[str, Any]]) -> str:
+    """One line per selection strategy; the best eval loss among the selections highlighted."""
+    names = list(rows)
+    selections = [n for n in names if n != "full"]
+    best = min(selections, key=lambda n: rows[n]["eval_loss_stats"]["mean"], default=None)
+    table_rows = []
+    for name in names:
+        e = rows[name]
+        vs = e.get("eval_vs_random")
+        vs_text = f"{vs['mean']:+.4f} ({vs['wins']}/{vs['of']})" if vs and name != "random" else "–"
+        seeds = ", ".join(f"{v:.4f}" for v in e.get("eval_loss", []))
+        wall = (e.get("wall_s_stats") or {}).get("mean")
+        table_rows.append(
+            (e.get("label", LABELS.get(name, name)), e.get("examples"), _stat(e, "eval_loss"), vs_text,
+             _stat(e, "pool_loss"), seeds, wall)
+        )  # fmt: skip
+    headers = [
+        "selection",
+        "examples",
+        "eval loss (mean ± std)",
+        "eval − random (wins)",
+        "pool loss",
+        "per-seed eval",
+        "wall s / run",
+    ]
+    return h.table(
+        headers, table_rows, numeric=(1, 2, 3, 4, 6), highlight_row=names.index(best) if best else None
+    )
+
+
+def eval_bars(rows: dict[str, dict[str, Any]]) -> str:
+    names = [n for n in rows if n != "full"]
+    if not names:
+        return ""
+    means = [rows[n]["eval_loss_stats"]["mean"] for n in names]
+    stds = [rows[n]["eval_loss_stats"].get("std", 0.0) for n in names]
+    labels = [rows[n].get("label", LABELS.get(n, n)) for n in names]
+    full = rows.get("full", {}).get("eval_loss_stats", {}).get("mean")
+    best = min(range(len(means)), key=lambda i: means[i])
+    return charts.bar_chart(
+        labels, means, "Held-out loss after retraining on each selection", "eval loss (nats/token)",
+        errors=stds, highlight=best, reference=("full data", full) if full is not None else None,
+    )  # fmt: skip
+
+
+def _run_folders(root: Path) -> dict[str, list[tuple[str, Run]]]:
+    """{row: [(seed name, finetune run)]} for full/seed*/ and retrain/{row}/seed*/."""
+    found: dict[str, list[tuple[str, Run]]] = {}
+    for seed_dir in sorted((root / "full").glob("seed*")):
+        run = try_open_run(seed_dir)
+        if run is not None:
+            found.setdefault("full", []).append((seed_dir.name.removesuffix(".part"), run))
+    for row_dir in sorted((root / "retrain").glob("*")):
+        for seed_dir in sorted(row_dir.glob("seed*")):
+            run = try_open_run(seed_dir)
+            if run is not None:
+                found.setdefault(row_dir.name, []).append((seed_dir.name.removesuffix(".part"), run))
+    return found
+
+
+def loss_curves(root: Path, order: list[str]) -> str:
+    """Train loss and eval loss against the step for every row, at the first seed."""
+    runs = _run_folders(root)
+    rows = [r for r in order if r in runs] + [r for r in runs if r not in order]
+    train, evals = {}, {}
+    for row in rows:
+        _, run = runs[row][0]
+        log = run.jsonl("metrics.jsonl")
+        label = LABELS.get(row, row)
+        t = [
+            (r["step"], r["train_loss"])
+            for r in log
+            if "train_loss" in r and not r.get("final") and "step" in r
+        ]
+        e = [(r["step"], r["eval_loss"]) for r in log if r.get("eval_loss") is not None and "step" in r]
+        if t:
+            train[label] = ([p[0] for p in t], [p[1] for p in t])
+        if e:
+            evals[label] = ([p[0] for p in e], [p[1] for p in e])
+    if not train and not evals:
+        return missing_note("loss curves", "retraining runs with metrics.jsonl")
+    styles = {LABELS["trackstar_fp32"]: "--"}
+    seed = runs[rows[0]][0][0] if rows else ""
+    blocks = []
+    if train:
+        blocks.append(
+            h.figure(
+                charts.line_chart(
+                    train, f"Training loss ({seed})", "optimizer step", "nats / token", styles=styles
+                )
+            )
+        )
+    if evals:
+        blocks.append(
+            h.figure(
+                charts.line_chart(
+                    evals,
+                    f"Held-out loss ({seed})",
+                    "optimizer step",
+                    "nats / token",
+                    markers=True,
+                    styles=styles,
+                )
+            )
+        )
+    return h.grid(*blocks)
+
+
+def selection_block(facts: dict[str, Any]) -> str:
+    out = ""
+    overlap = facts.get("overlap_trackstar_bf16_fp32")
+    if overlap is not None:
+        out += h.tiles([("TrackStar bf16 ∩ fp32 selection", f"{overlap:.1%}")])
+        out += (
+            "<p class='muted'>Share of the TrackStar selection made from the bf16 index that the fp32 index "
+            "also selects: mixed-precision attribution picks (almost) the same data.</p>"
+        )
+    shares = facts.get("collection_share")
+    if shares:
+        groups = list(shares.get("pool", {}))
+        rows = [[LABELS.get(r, r)] + [f"{s.get(g, 0):.0%}" for g in groups] for r, s in shares.items()]
+        out += h.h3("Share of each collection in the selections") + h.table(
+            ["selection", *groups], rows, numeric=tuple(range(1, len(groups) + 1))
+        )
+    return out
+
+
+def coreset_section(run: Run) -> h.Section:
+    results = run.json("results.json")
+    body = unfinished_note(run)
+    if results is None:
+        body += missing_note("results table", "results.json (the experiment has not finished)")
+        body += h.h3("Loss curves") + loss_curves(run.path, list(LABELS))
+        return h.Section(run.name, "coreset", body + settings_block(run))
+    rows = results.get("rows", {})
+    seeds = results.get("seeds", [])
+    body += h.tiles(
+        [("fraction kept", f"{results.get('fraction', 0):.0%}"), ("seeds", len(seeds)),
+         ("query", str(results.get("query", "–"))), ("strategies", max(len(rows) - 1, 0))]
+    )  # fmt: skip
+    body += h.h3("Results") + results_table(rows)
+    body += h.grid(h.figure(eval_bars(rows)) if rows else "")
+    body += h.h3("Loss curves per strategy and precision") + loss_curves(run.path, list(rows) or list(LABELS))
+    body += h.h3("bf16 vs fp32 selection") + selection_block(results.get("selection", {}))
+    stage_s = results.get("stage_s") or {}
+    if stage_s:
+        body += h.details(
+            "Wall time per stage",
+            h.table(["stage", "seconds"], sorted(stage_s.items()), numeric=(1,)),
+            cls="block",
+        )
+    subtitle = f"retrain on {results.get('fraction', 0):.0%} of the pool, {len(seeds)} seed(s)"
+    return h.Section(run.name, "coreset", body + settings_block(run), subtitle=subtitle)

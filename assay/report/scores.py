@@ -1,0 +1,133 @@
+"""The view of an `assay score` folder: each query with its top proponents and opponents.
+
+Reads top.jsonl, queries.jsonl and summary.json; training texts come from the index's saved
+data config (when that dataset can still be loaded), else only ids are shown.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from assay.core.console import note
+from assay.report import html as h
+from assay.report.common import missing_note, settings_block, unfinished_note
+from assay.report.runs import Run
+
+MAX_QUERIES = 100  # cards on the page; the rest are counted
+
+
+def index_info(run: Run, summary: dict[str, Any]) -> tuple[dict[int, str], dict[int, float], str]:
+    """(training texts by id, summed loss by id, index path) for the ids shown, when reachable."""
+    from assay.attribution.index import open_index
+    from assay.attribution.score import train_texts
+    from assay.core.errors import AssayError
+
+    path = summary.get("index") or run.config.get("index") or ""
+    records = run.jsonl("top.jsonl")
+    wanted = {
+        int(pid) for r in records[:MAX_QUERIES] for pid, _ in r.get("proponents", []) + r.get("opponents", [])
+    }
+    try:
+        index = open_index(Path(path))
+    except (AssayError, OSError) as e:
+        note(f"report: training texts unavailable for {run.name} ({e})")
+        return {}, {}, str(path)
+    losses = {int(i): float(v) for i, v in zip(index.ids, np.asarray(index.losses))}
+    try:
+        texts = train_texts(index, wanted)
+    except Exception as e:  # noqa: BLE001 - a dataset that no longer loads: show ids only
+        note(f"report: training texts unavailable for {run.name} ({type(e).__name__}: {e})")
+        texts = {}
+    return texts, {i: losses[i] for i in wanted if i in losses}, str(path)
+
+
+def ranked_table(pairs: list, texts: dict[int, str], losses: dict[int, float], scale: float) -> str:
+    rows = []
+    for rank, (pid, value) in enumerate(pairs, 1):
+        text = texts.get(int(pid))
+        rows.append(
+            (
+                rank,
+                h.bar_cell(float(value), scale, f"{float(value):.4f}"),
+                int(pid),
+                losses.get(int(pid)),
+                h.folded_text(text) if text is not None else '<span class="muted">(text unavailable)</span>',
+            )
+        )
+    return h.table(
+        ["#", "score", "train id", "loss", "text"], rows, numeric=(0, 2, 3), raw_columns=(1, 4), cls="ranked"
+    )
+
+
+def query_card(
+    record: dict, query_text: str | None, texts: dict, losses: dict, labels: tuple[str, str]
+) -> str:
+    pros, opps = record.get("proponents", []), record.get("opponents", [])
+    scale = max([abs(float(v)) for _, v in pros + opps] or [1.0])
+    label = record.get("query")
+    if record.get("queries") is not None:
+        head = f"{label} over {len(record['queries'])} queries"
+        text_html = ""
+    else:
+        head = f"query {label}"
+        text_html = h.folded_text(query_text, preview_chars=220, preview_lines=3) if query_text else ""
+        text_html = f'<div class="query-text">{text_html}</div>' if text_html else ""
+    return (
+        f'<div class="card searchable"><h4>{h.esc(head)}</h4>{text_html}'
+        f"<h4>{h.esc(labels[0])}</h4>{ranked_table(pros, texts, losses, scale)}"
+        + (h.details(h.esc(labels[1]), ranked_table(opps, texts, losses, scale), cls="block") if opps else "")
+        + "</div>"
+    )
+
+
+def latent_subtitle(run: Run) -> str | None:
+    """For a latent-attribution run (`--query_sae/--latent`), what the query is."""
+    sae, latent = run.config.get("query_sae"), run.config.get("latent")
+    if not sae or latent is None:
+        return None
+    return f"query: SAE latent {latent} of {sae} — which training examples most increase this feature?"
+
+
+def score_section(run: Run) -> h.Section:
+    summary = run.json("summary.json") or {}
+    records = run.jsonl("top.jsonl")
+    body = unfinished_note(run)
+    latent = latent_subtitle(run)
+    if not records:
+        body += missing_note("scores", "top.jsonl")
+        return h.Section(run.name, "score", body + settings_block(run))
+    queries = {str(q.get("query")): q.get("text", "") for q in run.jsonl("queries.jsonl")}
+    texts, losses, index_path = index_info(run, summary)
+    body += h.tiles(
+        [
+            ("queries", int(summary.get("num_queries", len(queries) or len(records)))),
+            ("training examples", int(summary.get("num_rows", 0))),
+            ("mode", str(summary.get("mode", run.config.get("mode", "–")))),
+            ("aggregate", str(summary.get("aggregate", run.config.get("aggregate", "none")))),
+            ("precision", str(summary.get("precision", "–"))),
+            ("λ (query mix)", summary.get("mix")),
+            ("rows / s", summary.get("rows_per_s")),
+        ],
+        hints={"λ (query mix)": "R = λ·R_query + (1-λ)·R_train (TrackStar)"},
+    )
+    labels = ("Proponents (a step on them lowers the query's loss)", "Opponents (a step on them raises it)")
+    if latent:
+        body += h.note_box(latent + " Proponents are the examples whose training step raises the latent.")
+        labels = ("Proponents (a step on them raises the latent)", "Opponents (a step on them suppresses it)")
+    scope = f"{h.slug(run.name)}-queries"
+    cards = [
+        query_card(r, queries.get(str(r.get("query"))), texts, losses, labels) for r in records[:MAX_QUERIES]
+    ]
+    more = (
+        f"<p class='muted'>{len(records) - MAX_QUERIES} more queries in top.jsonl.</p>"
+        if len(records) > MAX_QUERIES
+        else ""
+    )
+    body += h.search_box(scope, "Search queries and training texts…")
+    body += f'<div id="{h.esc(scope)}">{"".join(cards)}</div>{more}'
+    body += settings_block(run, [("index", index_path)])
+    subtitle = f"{len(records)} score columns against {index_path}"
+    return h.Section(run.name, "score", body, subtitle=subtitle)
