@@ -79,11 +79,6 @@ COMMANDS: dict[str, Command] = {
         "assay.report.command:run_report",
         "One self-contained HTML report (charts, top examples, SAE feature browser) of run folders.",
     ),
-    "report": Command(
-        "assay.report.command:ReportConfig",
-        "assay.report.command:run_report",
-        "One self-contained HTML report (charts, top examples, SAE feature browser) of run folders.",
-    ),
     "demo": Command(
         "assay.demo:DemoConfig",
         "assay.demo:run_demo",
