@@ -30,6 +30,8 @@ from assay.core.lm import token_losses
 from assay.core.precision import STATS_DTYPE, PrecisionPolicy, full_precision
 
 ADAM_EPS = 1e-8
+ASSAY_STATE_FILE = "optimizer_state.safetensors"  # written by `assay finetune`
+ASSAY_STATE_FORMAT = "assay-adam-v1"
 TINY = 1e-30  # Adafactor's eps1: keeps every factor strictly positive
 
 
@@ -151,7 +153,13 @@ def estimate_normalizer(
 def load_optimizer_state(
     path: str | Path, kind: Literal["adafactor", "adam"], model: nn.Module, modules: dict[str, nn.Module]
 ) -> Normalizer:
-    """Second moments from a torch / Hugging Face Trainer `optimizer.pt` (Adam(W) or Adafactor)."""
+    """Second moments from an optimizer checkpoint: `assay finetune`'s optimizer_state.safetensors
+    (or its run folder), or a torch / Hugging Face Trainer `optimizer.pt` (Adam(W) or Adafactor)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / ASSAY_STATE_FILE
+    if path.suffix == ".safetensors":
+        return _load_assay_state(path, kind, modules)
     try:
         saved = torch.load(str(path), map_location="cpu", weights_only=True)
     except FileNotFoundError:
@@ -168,6 +176,30 @@ def load_optimizer_state(
             raise AssayError(f"{path} holds no optimizer state for {name}.weight (was it trained?)")
         tensors.update(_tensors_from_state(kind, name, m, state, path))
     return Normalizer(kind, tensors)
+
+
+def _load_assay_state(path: Path, kind: str, modules: dict[str, nn.Module]) -> Normalizer:
+    """`assay finetune`'s export: "NAME.exp_avg_sq" per parameter name, metadata step and beta2."""
+    from safetensors import safe_open
+
+    if not path.exists():
+        raise AssayError(f"optimizer state {path} not found")
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+        if meta.get("format") != ASSAY_STATE_FORMAT:
+            raise AssayError(f"{path} is not an assay optimizer state (format {meta.get('format')!r})")
+        keys = set(f.keys())
+        states = {}
+        for name in modules:
+            key = f"{name}.weight.exp_avg_sq"
+            if key not in keys:
+                raise AssayError(f"{path} holds no second moment for {name}.weight (was it trained?)")
+            states[name] = {"exp_avg_sq": f.get_tensor(key), "step": float(meta["step"])}
+            states[name]["__beta2__"] = float(meta["beta2"])
+    tensors: dict[str, torch.Tensor] = {}
+    for name, m in modules.items():
+        tensors.update(_tensors_from_state(kind, name, m, states[name], path))
+    return Normalizer(kind, tensors)  # type: ignore[arg-type]
 
 
 def _tensors_from_state(
