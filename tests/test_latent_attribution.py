@@ -223,3 +223,43 @@ def test_load_sae_errors_and_silent_latent(tmp_path):
     model = make_llama(VOCAB, seed=1).eval()
     with pytest.raises(AssayError, match="never fires"):
         latent_query_gradients(None, dead_dir, 2, examples_of([6, 7], seed=0), setup=setup_for(model))
+
+
+def test_latent_query_against_a_built_index(tmp_path, tiny_model_dir, texts_jsonl):
+    """Through `assay build`'s index: the latent's query rows are computed with the index's settings
+    and scoring them ranks training rows exactly as an explicit inner product / cosine does."""
+    import assay
+    from assay.attribution.build import setup_from_index
+    from assay.attribution.score import score_index
+    from assay.cli import main
+    from assay.core.config import DataConfig
+    from assay.core.data import load_examples
+
+    out = tmp_path / "idx"
+    args = [
+        "build",
+        str(out),
+        "--model",
+        str(tiny_model_dir),
+        "--dataset",
+        str(texts_jsonl),
+        "--precision",
+        "fp32",
+    ]
+    assert main([*args, "--projection_dim", "8"]) == 0
+    index = assay.open_index(out)
+    setup = setup_from_index(index, device="cpu")
+    sae_dir = save_sae(tmp_path / "sae", random_sae(32, 64, seed=3, architecture="standard"), "standard")
+    _, queries = load_examples(DataConfig(dataset=str(texts_jsonl), max_samples=2), setup.tokenizer)
+    sae = load_sae(sae_dir)
+    with torch.no_grad():
+        h = setup.model(
+            input_ids=torch.from_numpy(queries.tokens_of(0)[None].astype(np.int64)), output_hidden_states=True
+        )
+        latent = int(sae.encode(h.hidden_states[1][0]).sum(0).argmax())
+    grads = latent_query_gradients(index, sae_dir, latent, queries, 64, setup=setup)  # [2, D]
+    assert grads.shape == (2, index.dim) and np.all(np.abs(grads).sum(1) > 0)
+    rows = np.asarray(index.gradients, dtype=np.float64)  # [N, D]
+    for mode, ref in (("inner", rows @ grads[0]), ("cosine", rows @ grads[0] / np.linalg.norm(rows, axis=1))):
+        top, _ = score_index(index, torch.from_numpy(grads[:1]), mode=mode, top_k=3)
+        assert list(top.top_rows[0]) == list(np.argsort(-ref)[:3])

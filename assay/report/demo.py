@@ -1,4 +1,8 @@
-"""The overview of a folder that holds other runs (the demo, an experiment): what is inside."""
+"""The overview of a folder that holds other runs (the demo, an experiment): what is inside.
+
+Each stage gets one line: what it is for and its headline result, linked to its section, so a
+new user sees the whole job at a glance before reading any detail.
+"""
 
 from __future__ import annotations
 
@@ -9,18 +13,65 @@ from assay.report.common import config_get, settings_block, unfinished_note
 from assay.report.runs import Run
 
 WHAT = {
-    "build": "gradient index of the training data",
-    "score": "attribution of queries to training examples",
-    "coreset": "data selection proven by retraining",
-    "sae train": "sparse autoencoder and its feature browser",
-    "sae eval": "sparse autoencoder evaluation",
-    "eval": "held-out loss",
-    "finetune": "fine-tuning run",
-    "filter": "selected training examples",
+    "build": "Gradient index: one projected loss gradient per training example",
+    "score": "Attribution: which training examples drive each query",
+    "coreset": "Data selection proven by retraining",
+    "sae train": "Sparse autoencoder: features of the model's activations",
+    "sae eval": "Sparse autoencoder evaluation",
+    "eval": "Held-out loss",
+    "finetune": "Fine-tuning run",
+    "filter": "Selected training examples",
 }
 
 
-def _number_tables(run: Run) -> str:
+def _num(value: Any, digits: int = 3) -> str:
+    return f"{value:.{digits}f}" if isinstance(value, int | float) else "–"
+
+
+def headline(run: Run) -> str:
+    """One line of the stage's main result, from its own files ('' when there is none yet)."""
+    summary = run.json("summary.json") or {}
+    if run.command == "build":
+        meta = run.json("index.json") or {}
+        n, dim, precision = meta.get("num_examples", 0), meta.get("dim", "?"), meta.get("precision", "?")
+        return f"{n:,} examples × {dim} dims at {precision}"
+    if run.command == "score":
+        first = run.jsonl("top.jsonl", limit=1)
+        if not first or not first[0].get("proponents"):
+            return ""
+        pid, value = first[0]["proponents"][0]
+        latent = run.config.get("latent")
+        what = (
+            f"latent {latent}"
+            if run.config.get("query_sae") and latent is not None
+            else f"query {first[0]['query']}"
+        )
+        queries = summary.get("num_queries", "?")
+        return f"{queries} queries; {what}'s top proponent: train #{pid} (score {value:.3f})"
+    if run.command in ("sae train", "sae eval"):
+        fvu, l0 = summary.get("eval/fvu", summary.get("fvu")), summary.get("eval/l0", summary.get("l0"))
+        return f"FVU {_num(fvu)}, L0 {_num(l0, 1)}, CE loss score {_num(summary.get('eval/ce_loss_score'))}"
+    if run.command == "coreset":
+        return _coreset_headline(run.json("results.json") or {})
+    if run.command == "eval":
+        return f"{_num(summary.get('mean_loss'))} nats/token over {summary.get('examples', '?')} examples"
+    if run.command == "finetune":
+        return f"eval loss {_num(summary.get('eval_loss'))} after {summary.get('steps', '?')} steps"
+    return ""
+
+
+def _coreset_headline(results: dict[str, Any]) -> str:
+    rows = results.get("rows") or {}
+    chosen = {k: v for k, v in rows.items() if k not in ("full", "random")}
+    if not chosen or "random" not in rows:
+        return ""
+    best = min(chosen, key=lambda k: chosen[k]["eval_loss_stats"]["mean"])
+    mean = chosen[best]["eval_loss_stats"]["mean"]
+    random = rows["random"]["eval_loss_stats"]["mean"]
+    return f"best selection {chosen[best].get('label', best)}: eval loss {mean:.4f} vs random {random:.4f}"
+
+
+def _number_tiles(run: Run) -> str:
     """Every top-level JSON file of flat values (e.g. the demo's losses.json) as headline tiles."""
     blocks = []
     for path in sorted(run.path.glob("*.json")):
@@ -41,21 +92,31 @@ def _number_tables(run: Run) -> str:
 
 
 def demo_overview(run: Run, children: list[Run]) -> h.Section:
-    """Headline numbers and the list of stages, each with one line on what it shows."""
+    """Headline numbers and the list of stages, each with what it shows and its main result."""
     body = unfinished_note(run)
-    rows: list[tuple[Any, ...]] = []
+    rows = []
     for child in children:
-        status = "done" if child.finished else "unfinished"
-        rows.append((child.name, f"assay {child.command}", WHAT.get(child.command, ""), status))
-    model = config_get(run.config, "model") or config_get(run.config, "model.model", "")
+        anchor = h.slug(f"{child.command}-{child.name}")
+        link = f'<a href="#{h.esc(anchor)}">{h.esc(child.name)}</a>'
+        status = "" if child.finished else ' <span class="badge small">unfinished</span>'
+        try:
+            result = headline(child)
+        except (KeyError, TypeError, ValueError):
+            result = ""
+        rows.append((link + status, f"assay {child.command}", WHAT.get(child.command, ""), result))
+    model = config_get(run.config, "model")
+    model = model if isinstance(model, str) else config_get(run.config, "model.model", "")
     intro = (
-        f"This folder holds {len(children)} runs made by one `assay {run.command}`. "
-        "Each has its own section below; the contents on the left jump to them."
+        f"One `assay {run.command}` made the {len(children)} runs below, each a folder of its own. "
+        "This table says what each one shows and its main result; every stage has its own section "
+        "further down (the contents on the left jump to them)."
     )
     body += f"<p>{h.esc(intro)}</p>"
-    body += _number_tables(run)
     if rows:
-        body += h.h3("Stages") + h.table(["folder", "command", "what it shows", "status"], rows)
+        body += h.table(
+            ["stage", "command", "what it shows", "main result"], rows, raw_columns=(0,), cls="stages"
+        )
+    body += _number_tiles(run)
     body += settings_block(run)
-    subtitle = f"model {model}" if isinstance(model, str) and model else ""
+    subtitle = f"model {model}" if model else ""
     return h.Section(run.name, run.command, body, subtitle=subtitle)
