@@ -30,16 +30,15 @@ def _data(seed: int = 0, n: int = 300, q: int = 5):
 
 
 def _reference(train, queries, mix, damping):
-    """Independent fp64 numpy: R = mix·Rq + (1-mix)·Rt, δ = damping·mean eig, (R+δI)^{-1/2}."""
+    """Independent fp64 numpy: R = mix·Rq + (1-mix)·(Rt + δI), δ = damping·mean eig(Rt), R^{-1/2}."""
     out = {}
     for name, sl in _slices().items():
         rt = train[:, sl].T @ train[:, sl] / len(train)
         rq = queries[:, sl].T @ queries[:, sl] / len(queries)
-        r = mix * rq + (1 - mix) * rt
+        delta = damping * np.linalg.eigvalsh(rt).mean()
+        r = mix * rq + (1 - mix) * (rt + delta * np.eye(len(rt)))
         vals, vecs = np.linalg.eigh(r)
-        vals = np.clip(vals, 0, None)
-        delta = damping * vals.mean()
-        out[name] = (vecs / np.sqrt(vals + delta)) @ vecs.T, r, delta
+        out[name] = (vecs / np.sqrt(vals)) @ vecs.T, r, delta
     return out
 
 
@@ -64,8 +63,8 @@ def test_whitening_matches_numpy_fp64(mix, damping):
         got = w.matrices[name].double().numpy()
         np.testing.assert_allclose(got, w_ref, rtol=2e-4, atol=1e-6 * np.abs(w_ref).max())
         assert w.damping[name] == pytest.approx(delta, rel=1e-6)
-        # W (R + δI) W = I: what "R^{-1/2}" means
-        ident = got @ (r + delta * np.eye(len(r))) @ got
+        # W R W = I: what "R^{-1/2}" means
+        ident = got @ r @ got
         np.testing.assert_allclose(ident, np.eye(len(r)), atol=2e-4)
 
 
@@ -99,8 +98,9 @@ def test_auto_mix_is_half_when_queries_are_the_training_set():
     r = {n: s / len(train) for n, s in second_moment_sums(t, _slices()).items()}
     assert auto_mix(r, r) == pytest.approx(0.5)
     w = build_whitening(second_moment_sums(t, _slices()), len(train), t, _slices(), None, 0.1)
-    w0 = build_whitening(second_moment_sums(t, _slices()), len(train), None, _slices(), 0.0, 0.1)
-    for name in SIZES:  # mixing R with itself changes nothing
+    # R = ½R + ½(R + δI): the damping belongs to the training estimate, weighted by its share
+    w0 = build_whitening(second_moment_sums(t, _slices()), len(train), None, _slices(), 0.0, 0.05)
+    for name in SIZES:
         torch.testing.assert_close(w.matrices[name], w0.matrices[name], rtol=1e-4, atol=1e-6)
 
 
@@ -118,3 +118,23 @@ def test_bad_inputs_give_clear_errors():
         build_whitening({k: v for k, v in sums.items() if k != "c"}, len(train), q, _slices())
     with pytest.raises(AssayError, match="all zero"):
         build_whitening(sums, len(train), torch.zeros_like(q), _slices(), None)
+
+
+@pytest.mark.parametrize("mix", [0.0, 0.2, 0.7])
+def test_low_rank_norms_equal_direct_whitening(mix):
+    """Woodbury: ‖W t‖² = base(t)/(1−λ) − sᵀK⁻¹s, even for a train row that duplicates a query."""
+    train, queries = _data(4, q=3)
+    train[7] = queries[1] * 1.0001  # the case where the subtraction cancels most
+    t = torch.from_numpy(train).float()
+    w = build_whitening(
+        second_moment_sums(t, _slices()), len(train), torch.from_numpy(queries).float(), _slices(), mix
+    )
+    lr = w.lowrank
+    assert lr is not None
+    direct = w.sq_norms(t.double().float()).double()
+    base = w.sq_norms(t, lr.base).double() * lr.base_scale
+    for name, sl in _slices().items():
+        if mix > 0:
+            s = (t[:, sl] @ lr.factors[name]).double()
+            base -= ((s @ lr.kinv[name]) * s).sum(1)
+    np.testing.assert_allclose(base.numpy(), direct.numpy(), rtol=2e-4)

@@ -6,7 +6,15 @@ import numpy as np
 import pytest
 import torch
 
-from assay.attribution.kernel import AGGREGATES, MODES, ArrayRows, TensorRows, plan_queries, score_rows
+from assay.attribution.kernel import (
+    AGGREGATES,
+    MODES,
+    ArrayRows,
+    TensorRows,
+    base_sq_norms,
+    plan_queries,
+    score_rows,
+)
 from assay.attribution.precondition import build_whitening, second_moment_sums
 from assay.core.errors import AssayError
 
@@ -19,6 +27,7 @@ def data():
     train = (rng.normal(size=(1000, 32)) @ rng.normal(size=(32, 32))).astype(np.float32)
     train[17] = 0.0  # an all-zero gradient must score 0, not NaN
     queries = (rng.normal(size=(4, 32)) @ rng.normal(size=(32, 32))).astype(np.float32)
+    train[500] = queries[2] * 1.001  # a near-copy of a query: the low-rank norms nearly cancel here
     sums = second_moment_sums(torch.from_numpy(train), SLICES)
     whitening = build_whitening(sums, len(train), torch.from_numpy(queries), SLICES, None, 0.1)
     return train, queries, whitening
@@ -55,11 +64,15 @@ def _reference(train, queries, whitening, mode, aggregate):
 
 
 @pytest.mark.parametrize("aggregate", AGGREGATES)
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", [*MODES, "trackstar-lowrank"])
 def test_chunked_equals_brute_force(data, mode, aggregate):
     train, queries, whitening = data
+    base = None
+    if mode == "trackstar-lowrank":  # ‖W t‖ from cached base norms + Woodbury, not W t itself
+        mode, base = "trackstar", base_sq_norms(TensorRows(torch.from_numpy(train)), whitening, 300)
     ref = _reference(train, queries, whitening, mode, aggregate)
-    plan = plan_queries(torch.from_numpy(queries), mode, aggregate, whitening)
+    plan = plan_queries(torch.from_numpy(queries), mode, aggregate, whitening, base)
+    assert plan.row_norm == ("lowrank" if base is not None else plan.row_norm)
     out = np.zeros(ref.shape, dtype=np.float32)
     top = score_rows(TensorRows(torch.from_numpy(train)), plan, top_k=7, scores_out=out, chunk_rows=97)
     scale = np.abs(ref).max()

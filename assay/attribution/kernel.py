@@ -122,9 +122,10 @@ class QueryPlan:
     """Queries folded into one matrix: score(t) = (V t) / norm(t), then max over rows if asked."""
 
     vectors: torch.Tensor  # [A, D] fp32
-    row_norm: Literal["none", "raw", "whitened"]
+    row_norm: Literal["none", "raw", "whitened", "lowrank"]
     whitening: Whitening | None
     reduce_max: bool
+    base_norms: torch.Tensor | None = None  # [N] fp64 ‖(R_train + δI)^{-1/2} t‖² ("lowrank")
 
 
 def unit_rows(x: torch.Tensor) -> torch.Tensor:
@@ -133,9 +134,18 @@ def unit_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def plan_queries(
-    queries: torch.Tensor, mode: str, aggregate: str, whitening: Whitening | None = None
+    queries: torch.Tensor,
+    mode: str,
+    aggregate: str,
+    whitening: Whitening | None = None,
+    base_norms: np.ndarray | None = None,
 ) -> QueryPlan:
-    """Transform query gradients [Q, D] once for `mode`, then aggregate them."""
+    """Transform query gradients [Q, D] once for `mode`, then aggregate them.
+
+    With `base_norms` (trackstar; see `base_sq_norms`) each row's ‖W t‖ comes from the
+    Woodbury form instead of a d×d matmul per module: the chunk costs a GEMM with Q more
+    columns instead of D·d multiply-adds per row.
+    """
     if queries.ndim != 2 or queries.shape[0] == 0:
         raise AssayError("no queries to score: the query set is empty")
     if mode not in MODES:
@@ -143,7 +153,7 @@ def plan_queries(
     if aggregate not in AGGREGATES:
         raise AssayError(f"unknown --aggregate {aggregate!r}; choose one of {', '.join(AGGREGATES)}")
     q = queries.to(STATS_DTYPE)
-    norm: Literal["none", "raw", "whitened"] = "none"
+    norm: Literal["none", "raw", "whitened", "lowrank"] = "none"
     if mode in ("trackstar", "influence"):
         if whitening is None:
             raise AssayError(f"--mode {mode} needs preconditioner statistics")
@@ -156,17 +166,35 @@ def plan_queries(
         v = q
     if aggregate == "mean":
         v = v.mean(dim=0, keepdim=True)  # every mode's score is linear in V: mean of the scores
-    return QueryPlan(v.contiguous(), norm, whitening if norm == "whitened" else None, aggregate == "max")
+    base = None
+    if norm == "whitened" and base_norms is not None:
+        assert whitening is not None and whitening.lowrank is not None
+        norm, base = "lowrank", torch.from_numpy(np.asarray(base_norms, dtype=np.float64))
+    keep = whitening if norm in ("whitened", "lowrank") else None
+    return QueryPlan(v.contiguous(), norm, keep, aggregate == "max", base)
 
 
-def chunk_scores(plan: QueryPlan, rows: torch.Tensor) -> torch.Tensor:
-    """[A, C] scores of the chunk rows [C, D] (fp32)."""
+def lowrank_sq_norms(plan: QueryPlan, rows: torch.Tensor, start: int) -> torch.Tensor:
+    """[C] ‖W t‖² = base(t)/(1−λ) − Σ_m s_mᵀK_m⁻¹s_m (fp64), s_m = t_m A_m⁻¹U_m (see LowRank)."""
+    assert plan.whitening is not None and plan.whitening.lowrank is not None and plan.base_norms is not None
+    lr = plan.whitening.lowrank
+    sq = plan.base_norms[start : start + rows.shape[0]] * lr.base_scale
+    for name, factor in lr.factors.items():
+        s_m = (rows[:, plan.whitening.slices[name]] @ factor).double()  # [C, Q]
+        sq = sq - ((s_m @ lr.kinv[name]) * s_m).sum(dim=1)
+    return sq.clamp_min(0).float()
+
+
+def chunk_scores(plan: QueryPlan, rows: torch.Tensor, start: int = 0) -> torch.Tensor:
+    """[A, C] scores of the chunk rows [C, D] (fp32) that start at row `start`."""
     scores = plan.vectors @ rows.T
     if plan.row_norm == "raw":
         scores /= rows.norm(dim=1).clamp_min(EPS)
     elif plan.row_norm == "whitened":
         assert plan.whitening is not None
         scores /= plan.whitening.sq_norms(rows).sqrt().clamp_min(EPS)
+    elif plan.row_norm == "lowrank":
+        scores /= lowrank_sq_norms(plan, rows, start).sqrt().clamp_min(EPS)
     if plan.reduce_max:
         scores = scores.max(dim=0, keepdim=True).values
     return scores
@@ -240,10 +268,28 @@ def score_rows(
             if i + 1 < len(starts):  # read the next chunk while this one is scored
                 nxt = starts[i + 1]
                 pending = pool.submit(source.read, nxt, min(nxt + chunk_rows, source.num_rows), (i + 1) % 2)
-            scores = chunk_scores(plan, rows)
+            scores = chunk_scores(plan, rows, start)
             running.update(scores, start)
             if scores_out is not None:
                 scores_out[:, start:stop] = scores.cpu().numpy()
             if on_chunk is not None:
                 on_chunk(stop)
     return running.result()
+
+
+def base_sq_norms(source: RowSource, whitening: Whitening, chunk_rows: int = 1024) -> np.ndarray:
+    """[N] ‖(R_train + δI)^{-1/2} t‖² of every row in fp64: the query-independent part of ‖W t‖².
+
+    fp64 because ‖W t‖² is this minus the query part, and for rows close to a query the two
+    nearly cancel.
+    """
+    assert whitening.lowrank is not None
+    mats = {n: m.double() for n, m in whitening.lowrank.base.items()}
+    out = np.zeros(source.num_rows, dtype=np.float64)
+    for start in range(0, source.num_rows, chunk_rows):
+        stop = min(start + chunk_rows, source.num_rows)
+        rows = source.read(start, stop).double()
+        out[start:stop] = sum(
+            ((rows[:, whitening.slices[n]] @ m) ** 2).sum(1) for n, m in mats.items()
+        ).numpy()
+    return out

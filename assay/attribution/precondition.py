@@ -19,6 +19,7 @@ With the training set as its own queries the curves coincide and λ = 1/2 (R = R
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -78,44 +79,52 @@ def auto_mix(
     return float(st[k] / (sq[k] + st[k]))
 
 
-def mix_moments(
-    r_query: dict[str, torch.Tensor], r_train: dict[str, torch.Tensor], mix: float
-) -> dict[str, torch.Tensor]:
-    """R = mix·R_query + (1−mix)·R_train per module (fp64)."""
-    if not 0.0 <= mix <= 1.0:
-        raise AssayError(f"--mix must be in [0, 1], got {mix}")
-    if set(r_query) != set(r_train):
-        raise AssayError("query and train second moments cover different modules")
-    return {n: mix * r_query[n].to(LINALG_DTYPE) + (1 - mix) * r_train[n].to(LINALG_DTYPE) for n in r_train}
+def inverse_sqrt(moment: torch.Tensor) -> torch.Tensor:
+    """M^{-1/2} of a (damped) symmetric PSD matrix, in fp64 through `eigh`.
 
-
-def inverse_sqrt(moment: torch.Tensor, damping: float) -> tuple[torch.Tensor, float]:
-    """(R + δI)^{-1/2} in fp64 with δ = damping × mean eigenvalue, and δ itself.
-
-    Eigenvalues are clamped at 0 first (rounding can make a PSD matrix slightly indefinite).
+    Eigenvalues are clamped at a tiny positive floor first (rounding can make a PSD matrix
+    slightly indefinite; with --damping 0 a singular R stays finite).
     """
     with single_thread():
         vals, vecs = torch.linalg.eigh(moment.to(LINALG_DTYPE))
-    vals = vals.clamp_min(0)
-    delta = damping * float(vals.mean())
-    if delta <= 0:
-        tiny = torch.finfo(LINALG_DTYPE).tiny
-        delta = max(delta, float(vals.max()) * 1e-12, tiny)
-    return (vecs * (vals + delta).rsqrt()) @ vecs.T, delta
+    floor = max(float(vals.max()) * 1e-12, torch.finfo(LINALG_DTYPE).tiny)
+    return (vecs * vals.clamp_min(floor).rsqrt()) @ vecs.T
+
+
+def mean_eigenvalue(moment: torch.Tensor) -> float:
+    """trace / d: the mean eigenvalue, without an eigendecomposition."""
+    return float(torch.diagonal(moment).sum()) / moment.shape[0]
+
+
+@dataclass
+class LowRank:
+    """‖W t‖² without W t: R = A + U Uᵀ with A = (1−λ)·(R_train + δI), U = sqrt(λ/Q)·queriesᵀ.
+
+    Woodbury: tᵀR⁻¹t = tᵀA⁻¹t − sᵀ K⁻¹ s per module, s = (A⁻¹U)ᵀ t and K = I + UᵀA⁻¹U.
+    tᵀA⁻¹t = base(t) / (1−λ) where base(t) = ‖(R_train + δI)^{-1/2} t‖² does not depend on the
+    queries, so it can be computed once per index and damping and cached.
+    """
+
+    base: dict[str, torch.Tensor]  # name -> (R_train + δI)^{-1/2} [d, d] fp32
+    factors: dict[str, torch.Tensor]  # name -> A⁻¹U [d, Q] fp32 (absent when λ = 0)
+    kinv: dict[str, torch.Tensor]  # name -> K⁻¹ [Q, Q] fp64
+    base_scale: float  # 1 / (1−λ)
+    key: str  # identifies R_train and δ: the cache key of base(t)
 
 
 @dataclass
 class Whitening:
-    """Per-module W_m = (R_m + δ_m I)^{-1/2}, stored fp32 (computed in fp64); W is symmetric."""
+    """Per-module W_m = R_m^{-1/2} (R damped), stored fp32 (computed in fp64); W is symmetric."""
 
     slices: dict[str, slice]  # module name -> columns of the concatenated gradient
     matrices: dict[str, torch.Tensor]  # name -> [d_m, d_m] fp32
     mix: float = 0.0
-    damping: dict[str, float] = field(default_factory=dict)  # name -> δ_m actually added
+    damping: dict[str, float] = field(default_factory=dict)  # name -> δ_m added to R_train
+    lowrank: LowRank | None = None
 
     def to(self, device: torch.device | str) -> Whitening:
         mats = {n: w.to(device) for n, w in self.matrices.items()}
-        return Whitening(self.slices, mats, self.mix, self.damping)
+        return Whitening(self.slices, mats, self.mix, self.damping, self.lowrank)
 
     def apply(self, x: torch.Tensor, times: int = 1) -> torch.Tensor:
         """W^times x for rows x [B, D] (times=2 gives R^{-1} x); fp32 out, input untouched."""
@@ -126,11 +135,12 @@ class Whitening:
                 out[:, sl] = out[:, sl] @ w
         return out
 
-    def sq_norms(self, x: torch.Tensor) -> torch.Tensor:
+    def sq_norms(self, x: torch.Tensor, matrices: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """[B] ‖W x‖² of rows x [B, D] fp32, one matmul per module, without keeping W x."""
+        matrices = matrices or self.matrices
         total = torch.zeros(x.shape[0], dtype=STATS_DTYPE, device=x.device)
         for name, sl in self.slices.items():
-            y = x[:, sl] @ self.matrices[name]
+            y = x[:, sl] @ matrices[name]
             total += (y * y).sum(dim=1)
         return total
 
@@ -144,8 +154,11 @@ def build_whitening(
     damping: float = 0.1,
     mix_fraction: float = MIX_FRACTION,
 ) -> Whitening:
-    """The whitening of TrackStar: R_train from saved sums, R_query from query rows [Q, D].
+    """TrackStar's whitening: R = λ·R_query + (1−λ)·(R_train + δI), W = R^{-1/2} per module.
 
+    R_train comes from the index's saved sums, R_query from the query rows [Q, D]. δ = damping ×
+    the mean eigenvalue of R_train (per module): the damping regularises the training estimate,
+    and scales with its share of the mix. With λ = 1 the query statistics are damped instead.
     `mix=None` chooses λ automatically (see `auto_mix`); without query rows λ is 0.
     """
     with single_thread():  # small matrices: threads only add synchronisation
@@ -161,14 +174,42 @@ def _build_whitening(train_sums, train_count, query_grads, slices, mix, damping,
     if damping < 0:
         raise AssayError(f"--damping must be >= 0, got {damping}")
     r_train = {n: train_sums[n].to(LINALG_DTYPE) / train_count for n in slices}
+    r_query: dict[str, torch.Tensor] = {}
     if query_grads is None or query_grads.shape[0] == 0 or mix == 0.0:
-        moments, mix = r_train, 0.0
+        mix = 0.0
     else:
         r_query = {n: s / query_grads.shape[0] for n, s in second_moment_sums(query_grads, slices).items()}
         mix = auto_mix(r_query, r_train, mix_fraction) if mix is None else mix
-        moments = mix_moments(r_query, r_train, mix)
-    matrices, deltas = {}, {}
-    for name, moment in moments.items():
-        w, deltas[name] = inverse_sqrt(moment, damping)
-        matrices[name] = w.to(STATS_DTYPE)
-    return Whitening(dict(slices), matrices, float(mix), deltas)
+    if not 0.0 <= mix <= 1.0:
+        raise AssayError(f"--mix must be in [0, 1], got {mix}")
+    deltas = {n: damping * mean_eigenvalue(r_train[n] if mix < 1 else r_query[n]) for n in slices}
+    matrices = {}
+    for name in slices:
+        eye = torch.eye(r_train[name].shape[0], dtype=LINALG_DTYPE)
+        if mix < 1:
+            moment = (1 - mix) * (r_train[name] + deltas[name] * eye)
+            moment = moment + mix * r_query[name] if mix > 0 else moment
+        else:
+            moment = r_query[name] + deltas[name] * eye
+        matrices[name] = inverse_sqrt(moment).to(STATS_DTYPE)
+    lowrank = _low_rank(r_train, deltas, query_grads, slices, mix, damping) if mix < 1 else None
+    return Whitening(dict(slices), matrices, float(mix), deltas, lowrank)
+
+
+def _low_rank(r_train, deltas, query_grads, slices, mix, damping) -> LowRank:
+    """The pieces of the Woodbury form of ‖W t‖² (see LowRank)."""
+    base, factors, kinv = {}, {}, {}
+    digest = hashlib.sha256(f"damping={damping!r}".encode())
+    for name, sl in slices.items():
+        r = r_train[name]
+        digest.update(name.encode() + r.numpy().tobytes())
+        with single_thread():
+            vals, vecs = torch.linalg.eigh(r + deltas[name] * torch.eye(r.shape[0], dtype=LINALG_DTYPE))
+        vals = vals.clamp_min(max(float(vals.max()) * 1e-12, torch.finfo(LINALG_DTYPE).tiny))
+        base[name] = ((vecs * vals.rsqrt()) @ vecs.T).to(STATS_DTYPE)
+        if mix > 0:
+            u = query_grads[:, sl].to(LINALG_DTYPE).T * (mix / query_grads.shape[0]) ** 0.5  # [d, Q]
+            a_inv_u = (vecs / vals) @ (vecs.T @ u) / (1 - mix)  # A⁻¹U, A = (1−λ)(R_train + δI)
+            k = torch.eye(u.shape[1], dtype=LINALG_DTYPE) + u.T @ a_inv_u
+            factors[name], kinv[name] = a_inv_u.to(STATS_DTYPE), torch.linalg.inv(k)
+    return LowRank(base, factors, kinv, 1.0 / (1 - mix), digest.hexdigest()[:24])

@@ -9,7 +9,9 @@ the full `scores.npy` [A, N] float32.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,13 +22,22 @@ import torch
 import tyro
 
 from assay.attribution.index import GradientIndex, open_index
-from assay.attribution.kernel import Aggregate, ArrayRows, Mode, TopRows, plan_queries, score_rows
+from assay.attribution.kernel import (
+    Aggregate,
+    ArrayRows,
+    Mode,
+    TopRows,
+    base_sq_norms,
+    plan_queries,
+    score_rows,
+)
 from assay.attribution.precondition import MIX_FRACTION, Whitening, build_whitening, second_moment_sums
 from assay.core.config import DataConfig
 from assay.core.console import note, say
 from assay.core.data import ID_COLUMN, Examples, load_table, texts_of, tokenize, tokenizer_fingerprint
 from assay.core.errors import AssayError
-from assay.core.runs import run_folder, write_json
+from assay.core.paths import cache_dir
+from assay.core.runs import DONE_FILE, run_folder, write_json
 
 
 @dataclass
@@ -71,8 +82,11 @@ class ScoreConfig:
     """Added to R's eigenvalues, as a multiple of their mean (per module)."""
     save_scores: bool = False
     """Also write every score: scores.npy [queries or 1, N] float32."""
-    chunk_rows: int = 8192
-    """Index rows scored per chunk (bounds memory; larger chunks amortise overheads)."""
+    chunk_rows: int = 0
+    """Index rows scored per chunk (0: ~8 MiB of fp32 rows, which stays in the CPU cache)."""
+    cache_norms: bool = True
+    """trackstar with few queries: cache each index row's whitened norm under the training
+    statistics (in the assay cache), so later runs stream the index at memory speed."""
     token_batch_size: int = 2048
     """Most tokens per batch when computing the query gradients."""
     device: str = "auto"
@@ -87,8 +101,8 @@ class ScoreConfig:
             raise AssayError("give queries: --query_dataset DATASET and/or --query_text TEXT")
         if any(not text.strip() for text in self.query_text):
             raise AssayError("a --query_text is empty; give the text to attribute")
-        if self.top_k < 1 or self.chunk_rows < 1 or self.token_batch_size < 1:
-            raise AssayError("--top_k, --chunk_rows and --token_batch_size must be positive")
+        if self.top_k < 1 or self.chunk_rows < 0 or self.token_batch_size < 1:
+            raise AssayError("--top_k and --token_batch_size must be positive, --chunk_rows >= 0")
         if self.mix is not None and not 0.0 <= self.mix <= 1.0:
             raise AssayError(f"--mix must be in [0, 1], got {self.mix}")
         if self.damping < 0 or not 0.0 < self.mix_fraction <= 1.0:
@@ -210,6 +224,39 @@ def stream_moment_sums(index: GradientIndex, chunk_rows: int) -> dict[str, torch
     return sums
 
 
+def auto_chunk_rows(dim: int) -> int:
+    """Rows per chunk so a chunk's fp32 copy is ~8 MiB: it stays in cache between cast and GEMM."""
+    return max(64, (8 << 20) // (4 * dim))
+
+
+def cached_base_norms(index: GradientIndex, whitening: Whitening, chunk_rows: int) -> np.ndarray:
+    """[N] ‖(R_train + δI)^{-1/2} t‖² per row, computed once per index and damping and cached.
+
+    The key covers the index folder, its finish time (a rebuilt index gets a new one), the
+    model, the statistics and the damping. Without a writable cache it is computed each time.
+    """
+    assert whitening.lowrank is not None
+    done = index.path / DONE_FILE
+    stamp = done.read_text() if done.exists() else ""
+    model = index.meta["model"]["fingerprint"]
+    ident = "|".join(str(p) for p in (index.path.resolve(), model, len(index), stamp, whitening.lowrank.key))
+    path = cache_dir() / "score-norms" / (hashlib.sha256(ident.encode()).hexdigest()[:24] + ".npy")
+    if path.exists():
+        cached = np.load(path, allow_pickle=False)
+        if cached.shape == (len(index),):
+            return cached
+    note("computing each index row's whitened norm once (cached for later runs with this damping)")
+    norms = base_sq_norms(ArrayRows(index.gradients), whitening, chunk_rows)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp.npy")
+        np.save(tmp, norms)
+        os.replace(tmp, path)
+    except OSError as e:
+        note(f"could not cache the row norms ({e}); they will be recomputed next time")
+    return norms
+
+
 def score_index(
     index: GradientIndex,
     queries: torch.Tensor,
@@ -220,13 +267,24 @@ def score_index(
     damping: float = 0.1,
     mix_fraction: float = MIX_FRACTION,
     scores_out: np.ndarray | None = None,
-    chunk_rows: int = 8192,
+    chunk_rows: int = 0,
+    cache_norms: bool = True,
 ) -> tuple[TopRows, Whitening | None]:
-    """Score query gradients [Q, D] (computed like the index's rows) against every index row."""
+    """Score query gradients [Q, D] (computed like the index's rows) against every index row.
+
+    trackstar with few queries (Q ≤ d_m/4) and `cache_norms` takes each row's ‖W t‖ from the
+    Woodbury form and a per-index cache, so the pass over the index is a plain streamed GEMM.
+    """
     if queries.shape[-1] != index.dim:
         raise AssayError(f"query gradients have {queries.shape[-1]} dimensions, the index {index.dim}")
+    chunk_rows = chunk_rows or auto_chunk_rows(index.dim)
     whitening = whitening_for(index, queries, mode, mix, damping, mix_fraction)
-    plan = plan_queries(queries, mode, aggregate, whitening)
+    base = None
+    smallest = min(sl.stop - sl.start for sl in index.modules.values())
+    if mode == "trackstar" and cache_norms and whitening is not None and whitening.lowrank is not None:
+        if 4 * queries.shape[0] <= smallest:
+            base = cached_base_norms(index, whitening, chunk_rows)
+    plan = plan_queries(queries, mode, aggregate, whitening, base)
     from tqdm.auto import tqdm
 
     with tqdm(total=len(index), desc="score", unit="row", unit_scale=True, mininterval=1.0) as bar:
@@ -267,7 +325,7 @@ def run_score(cfg: ScoreConfig) -> dict[str, Any]:
         start = time.perf_counter()
         top, whitening = score_index(
             index, grads, cfg.mode, cfg.aggregate, cfg.top_k, cfg.mix, cfg.damping, cfg.mix_fraction,
-            scores_out, cfg.chunk_rows,
+            scores_out, cfg.chunk_rows, cfg.cache_norms,
         )  # fmt: skip
         seconds = time.perf_counter() - start
         if scores_out is not None:
