@@ -289,7 +289,8 @@ def base_sq_norms(source: RowSource, whitening: Whitening, chunk_rows: int = 102
     for start in range(0, source.num_rows, chunk_rows):
         stop = min(start + chunk_rows, source.num_rows)
         rows = source.read(start, stop).double()
-        out[start:stop] = sum(
-            ((rows[:, whitening.slices[n]] @ m) ** 2).sum(1) for n, m in mats.items()
-        ).numpy()
+        total = torch.zeros(stop - start, dtype=torch.float64)
+        for name, m in mats.items():
+            total += ((rows[:, whitening.slices[name]] @ m) ** 2).sum(1)
+        out[start:stop] = total.numpy()
     return out
