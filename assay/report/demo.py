@@ -107,11 +107,11 @@ def demo_overview(run: Run, children: list[Run]) -> h.Section:
     model = config_get(run.config, "model")
     model = model if isinstance(model, str) else config_get(run.config, "model.model", "")
     intro = (
-        f"One `assay {run.command}` made the {len(children)} runs below, each a folder of its own. "
-        "This table says what each one shows and its main result; every stage has its own section "
+        f"One <code>assay {h.esc(run.command)}</code> made the {len(children)} runs below, each a folder of "
+        "its own. This table says what each one shows and its main result; every stage has its own section "
         "further down (the contents on the left jump to them)."
     )
-    body += f"<p>{h.esc(intro)}</p>"
+    body += f"<p>{intro}</p>"
     if rows:
         body += h.table(
             ["stage", "command", "what it shows", "main result"], rows, raw_columns=(0,), cls="stages"
