@@ -63,7 +63,10 @@ def main() -> None:
     ap.add_argument("--max_length", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--precisions", default="fp32,bf16")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = ap.parse_args()
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     mcfg = ModelConfig(model=args.model)
     tok = load_tokenizer(mcfg)
     _, examples = load_examples(

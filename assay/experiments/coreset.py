@@ -44,10 +44,12 @@ class CoresetConfig:
     preset: Literal["none", "coreset", "targeted"] = "none"
     """Bundled abc-tunes experiment: coreset (query = the pool) or targeted (query = O'Neill tunes
     outside the pool, eval = held-out O'Neill tunes). Overrides --dataset, --query* and --eval*."""
-    pool_size: int = 2000
+    pool_size: int = 500
     """Pool size for the presets."""
     query_size: int = 64
     """Query examples for the targeted preset."""
+    eval_size: int = 200
+    """Eval examples for the coreset preset (a seeded sample of the held-out split)."""
     seeds: tuple[int, ...] = (0, 1, 2)
     """Training seeds (random selection is redrawn per seed; seed[0]'s full run is the warm-up)."""
     fraction: float = 0.1
@@ -82,6 +84,8 @@ class CoresetConfig:
     """Fraction of each run's steps spent warming up."""
     eval_every: int = 0
     """Eval-loss points on the curves every N steps (0: before and after only)."""
+    pool_loss: bool = True
+    """Also measure each subset model's loss on the whole pool (the coreset's "train loss")."""
     ordered: bool = True
     """Subset runs visit their examples in the full run's order (removes ordering effects)."""
     projection_dim: int = 16
@@ -143,7 +147,7 @@ def resolve_layout(cfg: CoresetConfig, root: Path) -> Layout:
         return Layout(root, cfg.data, cfg.query, cfg.query_dataset, cfg.query_split, eval_data)
     from assay.experiments.presets import prepare_preset
 
-    files = prepare_preset(cfg.preset, root / "data", cfg.pool_size, cfg.query_size)
+    files = prepare_preset(cfg.preset, root / "data", cfg.pool_size, cfg.query_size, cfg.eval_size)
     data = replace(cfg.data, dataset=files["pool"], split="train", filter_column=None, filter_value=None)
     eval_data = {"eval_dataset": files["eval"], "eval_split": "train", "eval_filter_column": None}
     eval_data["eval_filter_value"] = None
@@ -184,6 +188,7 @@ def finetune_config(cfg: CoresetConfig, lay: Layout, out: Path, seed: int, selec
         micro_batch_size=cfg.micro_batch_size,
         warmup_ratio=cfg.warmup_ratio,
         eval_every=cfg.eval_every,
+        pool_loss=cfg.pool_loss,
         token_batch_size=cfg.token_batch_size,
         log_every=1,
         **lay.eval_data,

@@ -1,7 +1,7 @@
 """The two bundled experiments' data: a pool, a query set and a target eval set from abc-tunes.
 
 - coreset:  pool = a seeded sample of training tunes from every collection; the pool is its
-  own query; eval = the held-out eval split (all collections).
+  own query; eval = a seeded sample of the held-out eval split (all collections).
 - targeted: the same kind of pool; query = O'Neill (Irish) training tunes kept OUT of the pool;
   target eval = the O'Neill tunes of the held-out eval split (disjoint from the query).
 
@@ -36,7 +36,9 @@ def _write(path: Path, rows: list[dict[str, Any]]) -> None:
     tmp.replace(path)
 
 
-def prepare_preset(name: str, folder: Path, pool_size: int, query_size: int) -> dict[str, str]:
+def prepare_preset(
+    name: str, folder: Path, pool_size: int, query_size: int, eval_size: int
+) -> dict[str, str]:
     """Write pool.jsonl (+ query.jsonl, target.jsonl) once; returns their paths by role."""
     folder.mkdir(parents=True, exist_ok=True)
     paths = {role: folder / f"{role}.jsonl" for role in ("pool", "query", "eval")}
@@ -52,6 +54,7 @@ def prepare_preset(name: str, folder: Path, pool_size: int, query_size: int) -> 
         _write(paths["eval"], [r for r in held_out if r["collection"] == TARGET_COLLECTION])
     else:
         _write(paths["query"], [])
-        _write(paths["eval"], held_out)
+        picked = np.random.default_rng(5678).permutation(len(held_out))[:eval_size]
+        _write(paths["eval"], [held_out[int(i)] for i in sorted(picked)])
     _write(paths["pool"], [train[int(i)] for i in sorted(order[:pool_size])])
     return {k: str(v) for k, v in paths.items()}

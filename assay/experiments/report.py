@@ -34,6 +34,7 @@ def collect_rows(cfg: Any, lay: Any, rows: list[str]) -> dict[str, dict[str, Any
             for s in cfg.seeds
         ]
         pool = [r["train_loss"] if row == "full" else r["pool_loss"] for r in runs]
+        pool = [float("nan") if v is None else v for v in pool]
         evals = [r["eval_loss"] for r in runs]
         out[row] = {
             "label": LABELS.get(row, row),
