@@ -93,7 +93,7 @@ def line_chart(
     ax.set_xlabel(xlabel, fontsize=9)
     ax.set_ylabel(ylabel, fontsize=9)
     if len(series) > 1:
-        ax.legend(fontsize=8, frameon=False)
+        ax.legend(fontsize=7.5, frameon=True, framealpha=0.85, edgecolor="#e5e7eb")
     return to_svg(fig)
 
 

@@ -25,7 +25,7 @@ def index_info(run: Run, summary: dict[str, Any]) -> tuple[dict[int, str], dict[
     from assay.attribution.score import train_texts
     from assay.core.errors import AssayError
 
-    path = summary.get("index") or run.config.get("index") or ""
+    path = _find_index(run, str(summary.get("index") or run.config.get("index") or ""))
     records = run.jsonl("top.jsonl")
     wanted = {
         int(pid) for r in records[:MAX_QUERIES] for pid, _ in r.get("proponents", []) + r.get("opponents", [])
@@ -42,6 +42,15 @@ def index_info(run: Run, summary: dict[str, Any]) -> tuple[dict[int, str], dict[
         note(f"report: training texts unavailable for {run.name} ({type(e).__name__}: {e})")
         texts = {}
     return texts, {i: losses[i] for i in wanted if i in losses}, str(path)
+
+
+def _find_index(run: Run, saved: str) -> Path:
+    """The index a score run used: as saved, else beside the run (a moved or copied demo folder)."""
+    p = Path(saved)
+    for candidate in (p, run.path.parent / p, run.path.parent / p.name, run.path.parent.parent / p):
+        if (candidate / "index.json").exists():
+            return candidate
+    return p
 
 
 def ranked_table(pairs: list, texts: dict[int, str], losses: dict[int, float], scale: float) -> str:
