@@ -76,9 +76,9 @@ class CoresetConfig:
     """Peak learning rate of every fine-tune."""
     num_epochs: int = 2
     """Epochs of every fine-tune (full and subsets; subsets replay the full run's order)."""
-    effective_batch_size: int = 16
+    effective_batch_size: int = 8
     """Examples per optimizer step."""
-    micro_batch_size: int = 16
+    micro_batch_size: int = 8
     """Examples per forward/backward."""
     warmup_ratio: float = 0.1
     """Fraction of each run's steps spent warming up."""

@@ -138,7 +138,11 @@ def markdown(results: dict[str, Any]) -> str:
 
 
 def plot_curves(lay: Any, rows: list[str], seed: int, path: Path) -> None:
-    """Train loss (per step) and eval loss of every row's run at `seed`, one PNG."""
+    """Train loss and eval loss of every row's run at `seed` against training progress (one PNG).
+
+    The x axis is the fraction of each run's optimizer steps, so a 10% subset's short run and
+    the full run's long one share an axis.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -148,12 +152,19 @@ def plot_curves(lay: Any, rows: list[str], seed: int, path: Path) -> None:
     for row in ["full", *rows]:
         folder = lay.full(seed) if row == "full" else lay.retrain(row, seed)
         log = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
-        train = [(r["step"], r["train_loss"]) for r in log if "train_loss" in r and not r.get("final")]
-        evals = [(r["step"], r["eval_loss"]) for r in log if r.get("eval_loss") is not None]
-        left.plot(*zip(*train), label=LABELS.get(row, row), lw=1)
-        right.plot(*zip(*evals), marker="o", label=LABELS.get(row, row), lw=1)
-    left.set(xlabel="optimizer step", ylabel="train loss (nats/token)", title="training loss")
-    right.set(xlabel="optimizer step", ylabel="eval loss (nats/token)", title="eval loss")
+        steps = max(int(r["step"]) for r in log) or 1
+        train = [
+            (r["step"] / steps, r["train_loss"]) for r in log if "train_loss" in r and not r.get("final")
+        ]
+        evals = [(r["step"] / steps, r["eval_loss"]) for r in log if r.get("eval_loss") is not None]
+        label = f"{LABELS.get(row, row)} ({steps} steps)"
+        left.plot(*zip(*train), label=label, lw=1)
+        if evals:
+            right.plot(*zip(*evals), marker="o", label=label, lw=1)
+    left.set(
+        xlabel="fraction of the run", ylabel="train loss (nats/token)", title=f"training loss (seed {seed})"
+    )
+    right.set(xlabel="fraction of the run", ylabel="eval loss (nats/token)", title=f"eval loss (seed {seed})")
     right.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
