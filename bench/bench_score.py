@@ -1,0 +1,160 @@
+"""Scoring throughput and peak memory of `assay score`'s kernel against a plain matrix product.
+
+Each case runs in its own subprocess so its peak resident memory (ru_maxrss) is its own:
+  matmul     the whole [N, D] fp32 matrix in RAM, one `queries @ rows.T` (the floor)
+  <mode>     the streaming kernel over the fp16 .npy index on disk (warm page cache):
+             read chunk -> fp32 -> mode's transform -> GEMM -> running top-k
+Usage: python bench/bench_score.py [--rows 100000] [--dim 3584] [--queries 4] [--repeats 3] [--rounds 3]
+Ratios are medians over rounds of each case's time over the matmul's time in the same round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+MODULE_DIM = 256  # p = 16 per side
+
+
+def make_index(path: Path, rows: int, dim: int, seed: int = 0) -> None:
+    """A synthetic fp16 index file, written in chunks (never whole in RAM)."""
+    rng = np.random.default_rng(seed)
+    out = np.lib.format.open_memmap(path, mode="w+", dtype=np.float16, shape=(rows, dim))
+    for start in range(0, rows, 8192):
+        stop = min(start + 8192, rows)
+        out[start:stop] = rng.standard_normal((stop - start, dim), dtype=np.float32) * 1e-2
+    out.flush()
+
+
+def whitening(dim: int, queries: torch.Tensor, seed: int = 1):
+    """TrackStar's whitening from synthetic training statistics, mixed with the queries (λ = 0.3)."""
+    from assay.attribution.precondition import build_whitening
+
+    gen = torch.Generator().manual_seed(seed)
+    slices = {f"m{i}": slice(s, s + MODULE_DIM) for i, s in enumerate(range(0, dim, MODULE_DIM))}
+    sums = {}
+    for name in slices:
+        a = torch.randn(MODULE_DIM, MODULE_DIM, generator=gen)
+        sums[name] = a @ a.T
+    return build_whitening(sums, 1000, queries, slices, 0.3, 0.1)
+
+
+def rss_mib(field: str = "VmRSS") -> float:
+    """Resident memory now (VmRSS) or its peak (VmHWM) in MiB, of this process image only.
+
+    (ru_maxrss would include the parent's peak: Linux keeps it across fork + exec.)
+    """
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def run_case(case: str, path: Path, queries: int, repeats: int) -> dict:
+    from assay.attribution.kernel import ArrayRows, base_sq_norms, plan_queries, score_rows
+    from assay.attribution.score import auto_chunk_rows
+
+    rows = np.load(path, mmap_mode="r")
+    n, dim = rows.shape
+    before = rss_mib()
+    q = torch.randn(queries, dim, generator=torch.Generator().manual_seed(2))
+    times, extra = [], {}
+    chunk = auto_chunk_rows(dim)
+    if case == "matmul":
+        full = torch.from_numpy(np.asarray(rows, dtype=np.float32))  # the whole matrix in RAM
+        for _ in range(repeats + 1):
+            t = time.perf_counter()
+            _ = q @ full.T
+            times.append(time.perf_counter() - t)
+    else:
+        mode = case.split("-")[0]
+        white = whitening(dim, q) if mode in ("trackstar", "influence") else None
+        source = ArrayRows(rows)
+        base = None
+        if case == "trackstar-cached":  # the one-time pass that fills the norm cache, timed apart
+            t = time.perf_counter()
+            base = base_sq_norms(source, white, chunk)
+            extra["norms_pass_seconds"] = time.perf_counter() - t
+        plan = plan_queries(q, mode, "none", white, base)
+        for _ in range(repeats + 1):
+            t = time.perf_counter()
+            score_rows(source, plan, top_k=10, chunk_rows=chunk)
+            times.append(time.perf_counter() - t)
+    best = float(np.median(times[1:]))  # first run warms caches and kernels
+    peak = rss_mib("VmHWM")
+    return {
+        "case": case,
+        "rows": n,
+        "dim": dim,
+        "queries": queries,
+        "seconds": best,
+        "rows_per_s": n / best,
+        "peak_rss_mib": peak,
+        "rss_before_mib": before,
+        "chunk_rows": chunk,
+        **extra,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=int, default=100_000)
+    ap.add_argument("--dim", type=int, default=3584)
+    ap.add_argument("--queries", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--cases", default="matmul,inner,cosine,influence,trackstar,trackstar-cached")
+    ap.add_argument("--case", help=argparse.SUPPRESS)
+    ap.add_argument("--path", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.case:  # child process: one measurement
+        print(json.dumps(run_case(args.case, Path(args.path), args.queries, args.repeats)))
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "gradients.npy"
+        make_index(path, args.rows, args.dim)
+        size = path.stat().st_size / 2**20
+        print(
+            f"index: {args.rows:,} rows x {args.dim} fp16 = {size:,.0f} MiB; {args.queries} queries; "
+            f"torch threads {torch.get_num_threads()}"
+        )
+        runs: dict[str, list[dict]] = {c: [] for c in args.cases.split(",")}
+        for _ in range(args.rounds):  # cases interleaved, so load drift on a shared machine hits all alike
+            for case in runs:
+                cmd = [sys.executable, __file__, "--case", case, "--path", str(path)]
+                cmd += ["--queries", str(args.queries), "--repeats", str(args.repeats)]
+                out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+                runs[case].append(json.loads(out.strip().splitlines()[-1]))
+        results = []
+        for rs in runs.values():
+            r = dict(rs[0])
+            r["seconds"] = float(np.median([x["seconds"] for x in rs]))
+            r["rows_per_s"] = r["rows"] / r["seconds"]
+            if "matmul" in runs:  # median over rounds of the same-round ratio
+                r["ratio"] = float(
+                    np.median([x["seconds"] / m["seconds"] for x, m in zip(rs, runs["matmul"])])
+                )
+            results.append(r)
+        base = "matmul" in runs
+        head = f"{'case':<17} {'rows/s':>12} {'seconds':>8} {'vs matmul':>9} {'peak RSS MiB':>12}"
+        print(head + f" {'above imports':>14}")
+        for r in results:
+            ratio = f"{r['ratio']:.2f}x" if base else "-"
+            line = f"{r['case']:<17} {r['rows_per_s']:>12,.0f} {r['seconds']:>8.3f} {ratio:>9} "
+            line += f"{r['peak_rss_mib']:>12,.0f} {r['peak_rss_mib'] - r['rss_before_mib']:>14,.0f}"
+            if "norms_pass_seconds" in r:
+                line += f"   (one-time norm pass: {r['norms_pass_seconds']:.2f} s, then cached)"
+            print(line)
+
+
+if __name__ == "__main__":
+    main()
