@@ -15,7 +15,7 @@ from assay.core.precision import PrecisionPolicy
 from assay.core.runs import config_from_dict, config_to_dict
 from assay.sae.config import SaeArchConfig, SaeTrainConfig
 from assay.sae.metrics import DeadLatents, ReconstructionStats, fvu
-from assay.sae.model import SparseAutoencoder, select_active
+from assay.sae.model import THRESHOLD_BETA, SparseAutoencoder, select_active
 from assay.sae.saelens_format import load_sae, save_sae
 from assay.sae.train import make_optimizer, train_step
 
@@ -65,7 +65,7 @@ def test_batchtopk_keeps_k_per_token_on_average_and_its_threshold_reproduces_the
     z = F.relu(pre) * (pre >= sae.threshold_buf)
     assert torch.equal((z > 0).nonzero().T, torch.stack([rows, cols]))
     sae.update_threshold(torch.tensor(0.0), first=False)  # EMA step
-    assert float(sae.threshold_buf[0]) == pytest.approx(0.999 * float(out.min_kept))
+    assert float(sae.threshold_buf[0]) == pytest.approx(THRESHOLD_BETA * float(out.min_kept))
 
 
 @pytest.mark.parametrize("arch", ["topk", "batchtopk"])

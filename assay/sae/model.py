@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from assay.sae.config import SaeArchConfig
 
-THRESHOLD_BETA = 0.999  # BatchTopK threshold EMA (as in dictionary_learning)
+THRESHOLD_BETA = 0.99  # BatchTopK threshold EMA: a ~100-step horizon (dictionary_learning: 0.999)
 
 
 class SparseCodes(NamedTuple):

@@ -1,0 +1,130 @@
+"""SAE training throughput and quality, fp32 vs bf16 autocast, at realistic widths.
+
+  .venv/bin/python bench/bench_sae.py prepare --model assay-tiny --hookpoint model.layers.2
+  .venv/bin/python bench/bench_sae.py run --acts CACHE --expansion 16 32 --precision fp32 bf16
+  .venv-peers/bin/python bench/bench_sae_peers.py --acts CACHE ...   (SAELens, sparsify)
+
+`prepare` caches activations of the bundled general text (shakespeare train: training
+tokens; eval: 16,384 held-out tokens) with assay's own cache writer. `run` trains TopK SAEs
+on them (same batches, same order as the peers; see bench_sae_common.py) and prints one
+JSON line per configuration: tokens/s of the SAE step (LM excluded), FVU, L0, dead fraction.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_sae_common import DEAD_WINDOW_STEPS, Timer, batches, load_split, machine, quality, scale_of  # noqa: E402
+
+from assay.core.config import DataConfig, ModelConfig  # noqa: E402
+from assay.core.data import load_examples  # noqa: E402
+from assay.core.models import load_model, load_tokenizer  # noqa: E402
+from assay.core.paths import cache_dir  # noqa: E402
+from assay.core.precision import PrecisionPolicy  # noqa: E402
+from assay.sae.activations import LMActivations, pack_contexts, write_cache  # noqa: E402
+from assay.sae.config import SaeArchConfig  # noqa: E402
+from assay.sae.metrics import DeadLatents  # noqa: E402
+from assay.sae.model import SparseAutoencoder  # noqa: E402
+from assay.sae.train import default_learning_rate, lr_at, make_optimizer, train_step  # noqa: E402
+
+
+def prepare(args: argparse.Namespace) -> Path:
+    folder = cache_dir() / "bench" / f"sae-{Path(args.model).name}-{args.hookpoint}-{args.tokens}"
+    policy = PrecisionPolicy.resolve("fp32")
+    tokenizer = load_tokenizer(ModelConfig(model=args.model))
+    model = load_model(ModelConfig(model=args.model), policy)
+    for split, n_tokens in (("train", args.tokens), ("eval", 16384)):
+        if (folder / split / "meta.json").exists():
+            continue
+        _, ex = load_examples(DataConfig("shakespeare", split=split), tokenizer)
+        contexts = pack_contexts(ex.tokens, 128)[: -(-n_tokens // 128)]
+        source = LMActivations(model, args.hookpoint, contexts, policy, batch_contexts=32)
+        (folder).mkdir(parents=True, exist_ok=True)
+        write_cache(
+            source, folder / split, {"model": args.model, "hookpoint": args.hookpoint, "split": split}
+        )
+    print(folder)
+    return folder
+
+
+def run_ours(acts: Path, d_sae: int, precision: str, args: argparse.Namespace, sparse: bool) -> dict:
+    train, held = load_split(acts / "train"), load_split(acts / "eval")
+    scale = scale_of(train)
+    data = batches(train, scale, args.batch, args.steps)
+    held_out = torch.from_numpy(held * scale)
+    torch.manual_seed(0)
+    d_in = train.shape[1]
+    sae = SparseAutoencoder(d_in, d_sae, SaeArchConfig(architecture="topk", k=args.k, sparse_kernels=sparse))
+    with torch.no_grad():
+        sae.b_dec.copy_(data[0].mean(0))  # as the peers do (sparsify: first batch mean)
+    lr = args.lr or default_learning_rate(d_sae)
+    opt = make_optimizer(sae, lr)
+    policy = PrecisionPolicy.resolve(precision)
+    dead = DeadLatents(d_sae, window=DEAD_WINDOW_STEPS * args.batch)
+    timer = Timer()
+    for i, x in enumerate(data):
+        timer.step(i)
+        step_lr = lr_at(i, args.steps, lr, args.warmup, args.decay)
+        train_step(sae, opt, x, dead, policy, step_lr, 0.0, 1.0, first=i == 0)
+    speed = timer.tokens_per_s(args.batch)
+    q = quality(sae.forward, sae.encode, held_out)
+    return {
+        "library": "assay",
+        "kernel": "sparse" if sparse else "dense",
+        "precision": precision,
+        "d_in": d_in,
+        "d_sae": d_sae,
+        "k": args.k,
+        "batch": args.batch,
+        "steps": args.steps,
+        "tokens_per_s": speed,
+        **q,
+        "dead_fraction": dead.fraction(),
+        **machine(),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("mode", choices=["prepare", "run"])
+    p.add_argument("--model", default="assay-tiny")
+    p.add_argument("--hookpoint", default="model.layers.2")
+    p.add_argument("--tokens", type=int, default=409_600)
+    p.add_argument("--acts", type=Path)
+    p.add_argument("--expansion", type=int, nargs="+", default=[16, 32])
+    p.add_argument("--precision", nargs="+", default=["fp32", "bf16"])
+    p.add_argument("--kernels", nargs="+", default=["sparse"], choices=["sparse", "dense"])
+    p.add_argument("--k", type=int, default=32)
+    p.add_argument("--batch", type=int, default=4096)
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--lr", type=float, default=None)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--decay", type=float, default=0.2)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    if args.mode == "prepare":
+        prepare(args)
+        return
+    d_in = int(json.loads((args.acts / "train" / "meta.json").read_text())["d_in"])
+    for _ in range(args.repeats):  # alternate configurations within each repeat
+        for e in args.expansion:
+            for kernel in args.kernels:
+                for precision in args.precision:
+                    rec = run_ours(args.acts, e * d_in, precision, args, kernel == "sparse")
+                    print(json.dumps(rec), flush=True)
+                    if args.out:
+                        with open(args.out, "a") as f:
+                            f.write(json.dumps(rec) + "\n")
+
+
+if __name__ == "__main__":
+    np.seterr(all="ignore")
+    main()

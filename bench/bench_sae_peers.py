@@ -1,0 +1,175 @@
+"""SAELens and sparsify on the same cached activations and batches as bench_sae.py.
+
+Runs under the peers' environment (make test-interop builds it):
+  .venv-peers/bin/python bench/bench_sae_peers.py --acts CACHE --expansion 16 --peers saelens saelens-bf16 sparsify
+
+SAELens 6: its own SAETrainer (Adam, grad clipping, autocast switch) with a TopKTrainingSAE
+fed our batches through its DataProvider interface, with its recommended TopK settings
+(rescale_acts_by_decoder_norm, AuxK). sparsify 1.3: its CLI needs CUDA, so its trainer's
+step is reproduced around its SparseCoder (b_dec at the first batch's mean, unit-norm
+decoder, parallel-gradient removal, fvu + auxk_alpha * auxk loss) with its default signum
+optimiser (ScheduleFree SignSGD) or Adam. Same lr for SAELens and Adam runs as ours.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_sae_common import DEAD_WINDOW_STEPS, Timer, batches, load_split, machine, quality, scale_of  # noqa: E402
+
+
+def default_lr(d_sae: int) -> float:
+    return 2e-4 / math.sqrt(d_sae / 2**14)
+
+
+def run_saelens(data: list, held: torch.Tensor, d_sae: int, args: argparse.Namespace, autocast: bool) -> dict:
+    from sae_lens import TopKTrainingSAE, TopKTrainingSAEConfig
+    from sae_lens.config import SAETrainerConfig
+    from sae_lens.training.sae_trainer import SAETrainer
+
+    torch.manual_seed(0)
+    d_in = data[0].shape[1]
+    sae = TopKTrainingSAE(TopKTrainingSAEConfig(d_in=d_in, d_sae=d_sae, k=args.k, device="cpu"))
+    with torch.no_grad():
+        sae.b_dec.copy_(data[0].mean(0))
+    cfg = SAETrainerConfig(
+        total_training_samples=len(data) * args.batch,
+        train_batch_size_samples=args.batch,
+        lr=args.lr or default_lr(d_sae),
+        lr_warm_up_steps=args.warmup,
+        lr_decay_steps=int(args.decay * len(data)),
+        lr_end=0.0,
+        device="cpu",
+        autocast=autocast,
+        dead_feature_window=DEAD_WINDOW_STEPS,
+        feature_sampling_window=10**9,
+    )
+    timer = Timer()
+
+    def provider():  # type: ignore[no-untyped-def]
+        for i, x in enumerate(data):
+            timer.step(i)
+            yield x
+
+    trainer = SAETrainer(cfg, sae, provider())
+    trainer.fit()
+    speed = timer.tokens_per_s(args.batch)
+    dead = float((trainer.n_forward_passes_since_fired >= DEAD_WINDOW_STEPS).float().mean())
+    q = quality(lambda x: sae(x), lambda x: sae.encode(x), held)
+    name = "saelens-bf16" if autocast else "saelens"
+    return _record(name, "bf16" if autocast else "fp32", d_in, d_sae, args, speed, q, dead)
+
+
+def run_sparsify(
+    data: list, held: torch.Tensor, d_sae: int, args: argparse.Namespace, optimizer: str
+) -> dict:
+    from sparsify import SparseCoder, SparseCoderConfig
+
+    torch.manual_seed(0)
+    d_in = data[0].shape[1]
+    sae = SparseCoder(d_in, SparseCoderConfig(num_latents=d_sae, k=args.k), device="cpu", dtype=torch.float32)
+    if optimizer == "signum":
+        from schedulefree import ScheduleFreeWrapper
+        from sparsify.sign_sgd import SignSGD
+
+        opt = ScheduleFreeWrapper(
+            SignSGD([{"params": sae.parameters(), "lr": 5e-3 / math.sqrt(d_sae / 2**14)}]), momentum=0.95
+        )
+        opt.train()
+        sched = None
+    else:
+        from transformers import get_linear_schedule_with_warmup
+
+        opt = torch.optim.Adam(sae.parameters(), lr=args.lr or default_lr(d_sae))
+        sched = get_linear_schedule_with_warmup(opt, args.warmup, len(data))
+    since = torch.zeros(d_sae, dtype=torch.long)
+    timer = Timer()
+    for i, x in enumerate(data):
+        timer.step(i)
+        if i == 0:
+            sae.b_dec.data = x.mean(0)
+        sae.set_decoder_norm_to_unit_norm()
+        dead = since > 10_000_000  # sparsify's default dead_feature_threshold
+        out = sae(x, dead_mask=dead)
+        (out.fvu + (1 / 32) * out.auxk_loss).backward()
+        fired = torch.zeros(d_sae, dtype=torch.bool)
+        fired[out.latent_indices.flatten()] = True
+        sae.remove_gradient_parallel_to_decoder_directions()
+        opt.step()
+        opt.zero_grad()
+        if sched is not None:
+            sched.step()
+        since += len(x)
+        since[fired] = 0
+    speed = timer.tokens_per_s(args.batch)
+    if optimizer == "signum":
+        opt.eval()  # ScheduleFree: evaluate at the averaged weights
+    dead_frac = float((since >= DEAD_WINDOW_STEPS * args.batch).float().mean())
+
+    def encode(x: torch.Tensor) -> torch.Tensor:
+        enc = sae.encode(x)
+        return torch.zeros(len(x), d_sae).scatter_(-1, enc.top_indices, enc.top_acts)
+
+    q = quality(lambda x: sae(x).sae_out, encode, held)
+    return _record(f"sparsify-{optimizer}", "fp32", d_in, d_sae, args, speed, q, dead_frac)
+
+
+def _record(
+    name: str, precision: str, d_in: int, d_sae: int, args, speed: float, q: dict, dead: float
+) -> dict:  # type: ignore[no-untyped-def]
+    return {
+        "library": name,
+        "precision": precision,
+        "d_in": d_in,
+        "d_sae": d_sae,
+        "k": args.k,
+        "batch": args.batch,
+        "steps": args.steps,
+        "tokens_per_s": speed,
+        **q,
+        "dead_fraction": dead,
+        **machine(),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--acts", type=Path, required=True)
+    p.add_argument("--expansion", type=int, nargs="+", default=[16])
+    p.add_argument(
+        "--peers", nargs="+", default=["saelens", "saelens-bf16", "sparsify-signum", "sparsify-adam"]
+    )
+    p.add_argument("--k", type=int, default=32)
+    p.add_argument("--batch", type=int, default=4096)
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--lr", type=float, default=None)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--decay", type=float, default=0.2)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    train, held = load_split(args.acts / "train"), load_split(args.acts / "eval")
+    scale = scale_of(train)
+    data = batches(train, scale, args.batch, args.steps)
+    held_out = torch.from_numpy(held * scale)
+    for e in args.expansion:
+        d_sae = e * train.shape[1]
+        for peer in args.peers:
+            if peer.startswith("saelens"):
+                rec = run_saelens(data, held_out, d_sae, args, autocast=peer.endswith("bf16"))
+            else:
+                rec = run_sparsify(data, held_out, d_sae, args, optimizer=peer.split("-")[1])
+            print(json.dumps(rec), flush=True)
+            if args.out:
+                with open(args.out, "a") as f:
+                    f.write(json.dumps(rec) + "\n")
+
+
+if __name__ == "__main__":
+    main()
