@@ -1,7 +1,7 @@
 """SAELens and sparsify on the same cached activations and batches as bench_sae.py.
 
 Runs under the peers' environment (make test-interop builds it):
-  .venv-peers/bin/python bench/bench_sae_peers.py --acts CACHE --expansion 16 --peers saelens saelens-bf16 sparsify
+  .venv-peers/bin/python bench/bench_sae_peers.py --acts CACHE --expansion 16
 
 SAELens 6: its own SAETrainer (Adam, grad clipping, autocast switch) with a TopKTrainingSAE
 fed our batches through its DataProvider interface, with its recommended TopK settings
