@@ -105,6 +105,12 @@ def runs(tmp_path_factory, tiny_model_dir) -> dict[str, Path]:
     (demo / "losses.json").write_text(json.dumps({"shakespeare": 4.4123, "abc-tunes": 2.1357}))
     for name in ("idx", "score", "sae", "coreset"):
         shutil.copytree(out[name], demo / name)
+    # a latent-attribution score run (`assay score --query_sae SAE --latent L`): the report reads
+    # those two settings from config.json to label the run and shade where the latent fires
+    latent = shutil.copytree(out["score"], demo / "score-latent")
+    record = json.loads((latent / "config.json").read_text())
+    record["config"].update(query_sae=str(out["sae"]), latent=1)
+    (latent / "config.json").write_text(json.dumps(record))
     out["demo"] = demo
     out["data"] = data
     return out
@@ -130,7 +136,8 @@ def _top(run: Path) -> dict:
 def test_every_kind_has_its_section_and_numbers(runs, page):
     _, text = page
     kinds = re.findall(r'<section class="run" id="[^"]*" data-kind="([^"]*)"', text)
-    assert kinds == ["demo", "build", "score", "coreset", "sae train", "eval", "finetune"]
+    assert kinds == ["demo", "build", "score", "score", "coreset", "sae train", "eval", "finetune"]
+    assert "Proponents (a step on them raises the latent)" in text and "Where latent 1 fires" in text
     index = json.loads((runs["idx"] / "index.json").read_text())
     assert f'>{index["num_examples"]}</div><div class="tile-label">examples' in text
     first = _top(runs["score"])
@@ -205,16 +212,16 @@ def test_in_a_real_browser(page, tmp_path):
         assert browser.problems() == []
         assert all(u.startswith(("file:", "data:")) for u in browser.requests()), browser.requests()
         kinds = browser.evaluate("[...document.querySelectorAll('section.run')].map(s => s.dataset.kind)")
-        assert kinds == ["demo", "build", "score", "coreset", "sae train", "eval", "finetune"]
+        assert kinds == ["demo", "build", "score", "score", "coreset", "sae train", "eval", "finetune"]
         assert browser.evaluate("document.querySelectorAll('nav.toc a').length") >= 8
         assert browser.evaluate("document.querySelectorAll('svg').length") >= 10
         assert browser.evaluate("document.querySelectorAll('.feature').length") == 6
         overlap = browser.evaluate("document.body.innerText.includes('96.2%')")
         assert overlap
         # search: a query that only the nasty ad-hoc query's card contains
-        cards = "document.querySelectorAll('section[data-kind=score] .card.searchable')"
+        cards = "document.querySelectorAll('section[data-kind=score]:not([id*=latent]) .card.searchable')"
         total = browser.evaluate(f"{cards}.length")
-        box = "document.querySelector('section[data-kind=score] input.search')"
+        box = "document.querySelector('section[data-kind=score]:not([id*=latent]) input.search')"
         browser.evaluate(
             f"(() => {{ const b = {box}; b.value = 'alert'; b.dispatchEvent(new Event('input')); }})()"
         )

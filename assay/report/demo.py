@@ -71,6 +71,39 @@ def _coreset_headline(results: dict[str, Any]) -> str:
     return f"best selection {chosen[best].get('label', best)}: eval loss {mean:.4f} vs random {random:.4f}"
 
 
+GLOSSARY = {
+    "build": [
+        ("gradient index", "one projected loss gradient per training example, on disk (memory-mapped)"),
+    ],
+    "score": [
+        ("TrackStar score", "cosine of query and training gradients after optimizer-moment correction, "
+         "random projection and R^(-1/2) whitening; 1 = the same direction"),
+        ("proponent / opponent", "a training example whose gradient step would lower / raise the query's "
+         "loss (for an SAE latent query: raise / suppress the latent)"),
+    ],
+    "coreset": [
+        ("coreset experiment", "retrain on a selected fraction of the data; a lower held-out loss than a "
+         "random selection of the same size means the method found the useful examples"),
+    ],
+    "sae train": [
+        ("FVU", "fraction of the activations' variance the SAE fails to reconstruct (0 is perfect)"),
+        ("L0", "latents active per token on average"),
+        ("CE loss score", "how much of the model's loss the SAE preserves when spliced in: "
+         "(CE zero-ablated − CE spliced) / (CE zero-ablated − CE clean); 1 is perfect"),
+    ],
+}  # fmt: skip
+
+
+def glossary(children: list[Run]) -> str:
+    """The terms the stages present use, one line each (folded)."""
+    seen = {c.command for c in children}
+    items = [(t, d) for cmd, terms in GLOSSARY.items() if cmd in seen for t, d in terms]
+    if not items:
+        return ""
+    rows = "".join(f"<tr><th>{h.esc(t)}</th><td>{h.esc(d)}</td></tr>" for t, d in items)
+    return h.details("How to read this report", f'<table class="kv">{rows}</table>', cls="block")
+
+
 def _number_tiles(run: Run) -> str:
     """Every top-level JSON file of flat values (e.g. the demo's losses.json) as headline tiles."""
     blocks = []
@@ -117,6 +150,7 @@ def demo_overview(run: Run, children: list[Run]) -> h.Section:
             ["stage", "command", "what it shows", "main result"], rows, raw_columns=(0,), cls="stages"
         )
     body += _number_tiles(run)
+    body += glossary(children)
     body += settings_block(run)
     subtitle = f"model {model}" if model else ""
     return h.Section(run.name, run.command, body, subtitle=subtitle)

@@ -125,9 +125,13 @@ def _logit_effects(model: Any, sae: SaeWeights, latents: list[int], tokenizer: A
     return out
 
 
-def _context(seq: np.ndarray, acts: np.ndarray, example: int, tokenizer: Any, cache: dict) -> Context:
+def _context(
+    seq: np.ndarray, acts: np.ndarray, example: int, tokenizer: Any, cache: dict,
+    before: int = WINDOW_BEFORE, after: int = WINDOW_AFTER,
+) -> Context:  # fmt: skip
+    """The tokens around the peak activation (`before` tokens before it, `after` after)."""
     peak = int(np.argmax(acts))
-    lo, hi = max(0, peak - WINDOW_BEFORE), min(len(seq), peak + WINDOW_AFTER + 1)
+    lo, hi = max(0, peak - before), min(len(seq), peak + after + 1)
     return Context(
         example=example,
         tokens=[_token_text(tokenizer, cache, int(t)) for t in seq[lo:hi]],

@@ -72,7 +72,12 @@ def ranked_table(pairs: list, texts: dict[int, str], losses: dict[int, float], s
 
 
 def query_card(
-    record: dict, query_text: str | None, texts: dict, losses: dict, labels: tuple[str, str]
+    record: dict,
+    query_text: str | None,
+    texts: dict,
+    losses: dict,
+    labels: tuple[str, str],
+    extra_html: str = "",
 ) -> str:
     pros, opps = record.get("proponents", []), record.get("opponents", [])
     scale = max([abs(float(v)) for _, v in pros + opps] or [1.0])
@@ -84,12 +89,23 @@ def query_card(
         head = f"query {label}"
         text_html = h.folded_text(query_text, preview_chars=220, preview_lines=3) if query_text else ""
         text_html = f'<div class="query-text">{text_html}</div>' if text_html else ""
+    text_html += extra_html
     return (
         f'<div class="card searchable"><h4>{h.esc(head)}</h4>{text_html}'
         f"<h4>{h.esc(labels[0])}</h4>{ranked_table(pros, texts, losses, scale)}"
         + (h.details(h.esc(labels[1]), ranked_table(opps, texts, losses, scale), cls="block") if opps else "")
         + "</div>"
     )
+
+
+def _latent_views(run: Run, index_path: Path, texts: dict[str, str]) -> dict[str, str]:
+    if not latent_subtitle(run) or not any(texts.values()):
+        return {}
+    try:
+        return latent_in_queries(run, index_path, {k: v for k, v in texts.items() if v})
+    except Exception as e:  # noqa: BLE001 - the scores stay useful without the highlighting
+        note(f"report: cannot show where the latent fires in {run.name}'s queries ({type(e).__name__}: {e})")
+        return {}
 
 
 def latent_subtitle(run: Run) -> str | None:
@@ -127,8 +143,15 @@ def score_section(run: Run) -> h.Section:
         body += h.note_box(latent + " Proponents are the examples whose training step raises the latent.")
         labels = ("Proponents (a step on them raises the latent)", "Opponents (a step on them suppresses it)")
     scope = f"{h.slug(run.name)}-queries"
+    shown = records[:MAX_QUERIES]
+    fires = _latent_views(
+        run, Path(index_path), {str(r["query"]): queries.get(str(r["query"]), "") for r in shown}
+    )
     cards = [
-        query_card(r, queries.get(str(r.get("query"))), texts, losses, labels) for r in records[:MAX_QUERIES]
+        query_card(
+            r, queries.get(str(r.get("query"))), texts, losses, labels, fires.get(str(r.get("query")), "")
+        )
+        for r in shown
     ]
     more = (
         f"<p class='muted'>{len(records) - MAX_QUERIES} more queries in top.jsonl.</p>"
@@ -140,3 +163,46 @@ def score_section(run: Run) -> h.Section:
     body += settings_block(run, [("index", index_path)])
     subtitle = f"{len(records)} score columns against {index_path}"
     return h.Section(run.name, "score", body, subtitle=subtitle)
+
+
+def latent_in_queries(run: Run, index_path: Path, texts: dict[str, str]) -> dict[str, str]:
+    """For a latent query: {query id: HTML of its tokens shaded by the latent's activation}.
+
+    Shows where in each query the feature fires, i.e. which tokens the query gradient comes from.
+    The model and tokenizer are the index's; the texts are tokenized as `assay score` does.
+    """
+    import datasets
+    import torch
+
+    from assay.attribution.index import open_index
+    from assay.core.config import DataConfig, ModelConfig
+    from assay.core.data import ID_COLUMN, tokenize
+    from assay.core.models import load_model, load_tokenizer
+    from assay.core.precision import PrecisionPolicy
+    from assay.core.runs import config_from_dict
+    from assay.latent_attribution import load_sae
+    from assay.report.features import _context, _latents
+    from assay.report.sae import context_html
+
+    latent = int(run.config["latent"])
+    meta = open_index(index_path).meta
+    model_cfg = config_from_dict(ModelConfig, meta["config"]["model"])
+    tokenizer = load_tokenizer(model_cfg)
+    model = load_model(model_cfg, PrecisionPolicy.resolve("fp32", "cpu")).eval()
+    sae = load_sae(run.config["query_sae"]).to("cpu")
+    ids = list(texts)
+    table = datasets.Dataset.from_dict({"text": [texts[i] for i in ids], ID_COLUMN: list(range(len(ids)))})
+    examples = tokenize(
+        table, DataConfig(dataset="query_text", max_length=int(meta["data"]["max_length"])), tokenizer
+    )
+    out: dict[str, str] = {}
+    cache: dict[int, str] = {}
+    for pos, qid in enumerate(ids):
+        seq = examples.tokens_of(pos)
+        ids_t = torch.from_numpy(seq[None].astype(np.int64))
+        acts = _latents(model, sae, ids_t, torch.ones_like(ids_t))[0, :, latent].numpy()  # [T]
+        ctx = _context(seq, acts, pos, tokenizer, cache, before=len(seq), after=len(seq))
+        total = float(acts.sum())
+        head = f"<h4>Where latent {latent} fires in this query (sum {total:.3f}, peak {ctx.max_act:.3f})</h4>"
+        out[qid] = head + context_html(ctx, ctx.max_act)
+    return out
