@@ -25,14 +25,14 @@ from assay.report.runs import Run, open_run
 class ReportConfig:
     """Write one self-contained HTML report (opens from disk, no network) for run folders."""
 
-    runs: tyro.conf.Positional[tuple[str, ...]]
+    runs: tyro.conf.Positional[Annotated[tuple[str, ...], tyro.conf.arg(metavar="RUN_DIR...")]]
     """Run folders: any output of build, score, coreset, sae train, eval, finetune or demo."""
     out: Annotated[str, tyro.conf.arg(aliases=("-o",))] = "report.html"
     """The HTML file to write (an existing assay report there is replaced)."""
     title: str | None = None
     """Page title (default: the run folders' names)."""
     features: int = 32
-    """SAE runs: latents shown in the feature browser (the most active live ones)."""
+    """SAE runs: latents shown in the feature browser (the first live ones by index; 0: none)."""
     feature_examples: int = 200
     """SAE runs: texts read to find each latent's top activating contexts."""
     device: str = "auto"
