@@ -158,3 +158,13 @@ def test_model_agnostic_mlp_with_custom_objective():
         objective(mlp, {"x": x[i : i + 1], "y": y[i : i + 1]}).sum().backward()
         ref = torch.cat([mlp[0].weight.grad.flatten(), mlp[2].weight.grad.flatten()])
         assert rel_err(grads[i], ref) <= 1e-5
+
+
+def test_layers_sharing_an_input_are_projected_in_one_gemm():
+    model = tiny_llama(4)
+    examples = random_examples([5, 9], seed=5)
+    batch = collate(examples, np.arange(2), pad_id=0)
+    with GradientCollector(model, linear_modules(model), Projector(4), FP32) as col:
+        col.gradients(batch, example_losses)
+        groups = sorted(tuple(n.rsplit(".", 1)[-1] for n in key) for key in col._group_mats)
+    assert groups == [("gate_proj", "up_proj")] * 2 + [("q_proj", "k_proj", "v_proj")] * 2

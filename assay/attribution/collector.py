@@ -23,6 +23,7 @@ from functools import partial
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from assay.attribution.projection import Projector
@@ -111,7 +112,9 @@ class GradientCollector:
         self._mats: dict[tuple[str, str], torch.Tensor | None] = {}
         self._saved: dict[str, list[torch.Tensor | None]] = {}
         self._mask: torch.Tensor | None = None
-        self._out: torch.Tensor | None = None
+        self._blocks: dict[str, torch.Tensor] = {}  # module -> [B, block size] fp32
+        self._pending: tuple[torch.Tensor, list[tuple[ModuleSlot, int]]] | None = None
+        self._group_mats: dict[tuple[str, ...], torch.Tensor] = {}
         self._handles: list[Any] = []
         self._requires_grad: dict[str, bool] = {}
         self._inv_sqrt_v: dict[str, torch.Tensor] = {}  # Adam: [out, in] fp32 1 / (sqrt(v) + eps)
@@ -137,6 +140,7 @@ class GradientCollector:
         for n, p in self.model.named_parameters():
             p.requires_grad_(self._requires_grad.get(n, p.requires_grad))
         self._saved.clear()
+        self._group_mats.clear()
 
     def _uses_full(self, name: str) -> bool:
         return self.normalizer is not None and self.normalizer.kind == "adam"
@@ -158,41 +162,79 @@ class GradientCollector:
 
     # --- hooks ------------------------------------------------------------------------------
     def _side(self, slot: ModuleSlot, side: str, x: torch.Tensor) -> torch.Tensor:
-        """[B, ..., f] -> [B, T, p] (or [B, T, f] raw), fp32, masked by the attention mask."""
+        """[B, ..., f] -> [B, T, p] (or [B, T, f] raw), fp32."""
         x = x.reshape(x.shape[0], -1, x.shape[-1]).to(STATS_DTYPE)  # explicit cast: never promotion
         mat = self._mats[(slot.name, side)]
-        if mat is not None:
-            x = x * mat if mat.dim() == 1 else x @ mat.T
+        if mat is None:
+            return x
+        return x * mat if mat.dim() == 1 else F.linear(x, mat)
+
+    def _masked(self, x: torch.Tensor) -> torch.Tensor:
+        """Zero padded tokens of [B, T, k]. Masking g alone makes g_t a_tᵀ exactly 0 there."""
         mask = self._mask
         if mask is not None and mask.shape == x.shape[:2]:
-            x = x * mask[:, :, None].to(STATS_DTYPE)  # padding contributes exactly nothing
+            x = x * mask[:, :, None].to(STATS_DTYPE)
         return x
 
     def _forward_hook(self, slot: ModuleSlot, module: nn.Module, inputs: Any, output: Any) -> Any:
         if not torch.is_grad_enabled():
             return None
-        with full_precision(self._device):
-            saved = self._saved.setdefault(slot.name, [])
-            saved.append(self._side(slot, "in", inputs[0]))
+        saved = self._saved.setdefault(slot.name, [])
+        saved.append(None)
+        x = inputs[0]
+        groupable = self._groupable(slot)
+        if groupable and self._pending is not None and self._pending[0] is x:
+            self._pending[1].append((slot, len(saved) - 1))  # same input as the previous layer (q/k/v)
+        else:
+            self._flush()
+            self._pending = (x, [(slot, len(saved) - 1)])
+            if not groupable:
+                self._flush()
         out = output
         if not out.requires_grad:
             out = out.detach().requires_grad_(True)  # a leaf, so backward reaches this layer
         out.register_hook(partial(self._backward_hook, slot, len(saved) - 1))
         return out if out is not output else None
 
+    def _groupable(self, slot: ModuleSlot) -> bool:
+        mat = self._mats[(slot.name, "in")]
+        return mat is not None and mat.dim() == 2
+
+    def _flush(self) -> None:
+        """Project the pending input once for every layer that read it: one GEMM, not three."""
+        if self._pending is None:
+            return
+        x, members = self._pending
+        self._pending = None
+        with full_precision(self._device):
+            if len(members) == 1:
+                slot, call = members[0]
+                self._saved[slot.name][call] = self._side(slot, "in", x)
+                return
+            key = tuple(slot.name for slot, _ in members)
+            if key not in self._group_mats:
+                self._group_mats[key] = torch.cat([self._mats[(n, "in")] for n in key])  # type: ignore[misc]
+            x = x.reshape(x.shape[0], -1, x.shape[-1]).to(STATS_DTYPE)
+            parts = F.linear(x, self._group_mats[key]).split(self.projector.dim, dim=-1)
+            for (slot, call), part in zip(members, parts):
+                self._saved[slot.name][call] = part  # [B, T, p]
+
     def _backward_hook(self, slot: ModuleSlot, call: int, grad: torch.Tensor) -> None:
+        self._flush()
         with full_precision(self._device):
             a = self._saved[slot.name][call]  # [B, T, p_in] fp32
             self._saved[slot.name][call] = None
-            g = self._side(slot, "out", grad)  # [B, T, p_out] fp32
-            assert a is not None and self._out is not None
+            g = self._masked(self._side(slot, "out", grad))  # [B, T, p_out] fp32
+            assert a is not None
             if self._uses_full(slot.name):
                 block = self._normalized_full(slot, g, a)
             elif slot.conv1d and self.projector.dim == 0:
                 block = torch.bmm(a.transpose(1, 2), g)  # [B, in, out]: Conv1D's own layout
             else:
                 block = torch.bmm(g.transpose(1, 2), a)  # [B, p_out, p_in] (raw: [B, out, in])
-            self._out[:, slot.start : slot.stop] += block.reshape(block.shape[0], -1)
+            block = block.reshape(block.shape[0], -1)
+            prev = self._blocks.get(slot.name)
+            self._blocks[slot.name] = block if prev is None else prev + block  # layers called twice
 
     def _normalized_full(self, slot: ModuleSlot, g: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
         """Adam: the full per-example gradient [B, out, in] divided by sqrt(v) + eps, then projected."""
@@ -225,18 +267,29 @@ class GradientCollector:
         self, batch: dict[str, torch.Tensor], objective: Objective, scale: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         self._mask = batch.get("attention_mask")
-        self._saved = {}
+        self._saved, self._blocks, self._pending = {}, {}, None
         try:
             with torch.enable_grad(), self.policy.autocast():
                 values = objective(self.model, batch)  # [B]
+            self._flush()
             values = values.to(STATS_DTYPE)
             if not values.requires_grad:
                 raise AssayError("the objective does not depend on any of the collected modules")
-            self._out = torch.zeros(values.shape[0], self.dim, dtype=STATS_DTYPE, device=self._device)
             (values.sum() * scale).backward()
-            grads = self._out / scale if scale != 1.0 else self._out
+            grads = self._assemble(values.shape[0])
+            grads = grads / scale if scale != 1.0 else grads
         finally:
-            self._saved, self._mask, out = {}, None, self._out
-            self._out = None
-        del out
+            self._saved, self._blocks, self._pending, self._mask = {}, {}, None, None
         return grads, values.detach()
+
+    def _assemble(self, batch_size: int) -> torch.Tensor:
+        """[B, D] fp32: the blocks in column order (zeros for a layer the objective never used)."""
+        parts = []
+        for slot in self.slots:
+            block = self._blocks.get(slot.name)
+            if block is None:
+                block = torch.zeros(
+                    batch_size, slot.stop - slot.start, dtype=STATS_DTYPE, device=self._device
+                )
+            parts.append(block)
+        return torch.cat(parts, dim=1)
