@@ -167,20 +167,15 @@ def _check_latent(sae: SaeWeights, latent: int) -> None:
         raise AssayError(f"--latent must be in [0, {sae.d_sae}), got {latent}")
 
 
-def latent_activations(
-    model: nn.Module, sae: SaeWeights, batch: dict[str, torch.Tensor], latent: int, activation: Activation
-) -> torch.Tensor:
-    """[B, T] the latent's activation per token (0 at padding), connected to the model's graph.
-
-    The forward stops right after the hookpoint (StopForward): later layers do not matter.
-    """
+def hook_activations(model: nn.Module, hookpoint: str, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """[B, T, d_in] output of module `hookpoint` (graph kept); the forward stops right after it."""
     captured: list[torch.Tensor] = []
 
     def grab(module: nn.Module, inputs: Any, output: Any) -> None:
         captured.append(output_tensor(output))
         raise StopForward
 
-    handle = get_module(model, sae.hookpoint).register_forward_hook(grab)
+    handle = get_module(model, hookpoint).register_forward_hook(grab)
     try:
         model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
     except StopForward:
@@ -188,8 +183,15 @@ def latent_activations(
     finally:
         handle.remove()
     if not captured:
-        raise AssayError(f"the model's forward never reached the SAE's hookpoint {sae.hookpoint!r}")
-    h = captured[0]  # [B, T, d_in] model dtype (bf16 under autocast)
+        raise AssayError(f"the model's forward never reached the SAE's hookpoint {hookpoint!r}")
+    return captured[0]
+
+
+def latent_activations(
+    model: nn.Module, sae: SaeWeights, batch: dict[str, torch.Tensor], latent: int, activation: Activation
+) -> torch.Tensor:
+    """[B, T] the latent's activation per token (0 at padding), connected to the model's graph."""
+    h = hook_activations(model, sae.hookpoint, batch)  # [B, T, d_in] model dtype (bf16 under autocast)
     if h.shape[-1] != sae.W_enc.shape[0]:
         raise AssayError(f"the SAE reads {sae.W_enc.shape[0]} dims but {sae.hookpoint} outputs {h.shape[-1]}")
     with full_precision(h.device):  # the SAE in fp32, whatever the model's compute dtype
@@ -241,3 +243,25 @@ def latent_query_gradients(
             "fires (`assay report` on the SAE run lists its top contexts) or use the pre-activation"
         )
     return grads
+
+
+@torch.no_grad()
+def most_active_latent(
+    model: nn.Module, sae: SaeWeights, examples: Any, pad_id: int, token_batch_size: int = 2048
+) -> int:
+    """The latent with the largest activation summed over these examples' real tokens.
+
+    A natural query for a demo: "this feature fires most on these texts; which training
+    examples raise it?". Runs in fp32 on the model's device; the forward stops at the hookpoint.
+    """
+    from assay.core.data import collate, token_batches
+
+    device = next(model.parameters()).device
+    sae.to(device)
+    totals = torch.zeros(sae.d_sae, dtype=torch.float64, device=device)  # [d_sae]
+    for positions in token_batches(examples, token_batch_size):
+        batch = collate(examples, positions, pad_id, device)
+        h = hook_activations(model, sae.hookpoint, batch)  # [B, T, d_in]
+        z = sae.encode(h.to(STATS_DTYPE)) * batch["attention_mask"][:, :, None]  # [B, T, d_sae]
+        totals += z.sum((0, 1)).double()
+    return int(totals.argmax())

@@ -263,3 +263,17 @@ def test_latent_query_against_a_built_index(tmp_path, tiny_model_dir, texts_json
     for mode, ref in (("inner", rows @ grads[0]), ("cosine", rows @ grads[0] / np.linalg.norm(rows, axis=1))):
         top, _ = score_index(index, torch.from_numpy(grads[:1]), mode=mode, top_k=3)
         assert list(top.top_rows[0]) == list(np.argsort(-ref)[:3])
+
+
+def test_most_active_latent_matches_a_dense_count(tmp_path):
+    from assay.latent_attribution import most_active_latent
+
+    model = make_llama(VOCAB, seed=1).eval()
+    sae = load_sae(save_sae(tmp_path / "sae", random_sae(32, 64, seed=2), "topk", k=8))
+    examples = examples_of([5, 11, 8], seed=3)
+    sums = torch.zeros(64)
+    for i in range(len(examples)):  # each example alone: no padding at all
+        tokens = torch.from_numpy(examples.tokens_of(i)[None].astype(np.int64))
+        with torch.no_grad():
+            sums += sae.encode(model(input_ids=tokens, output_hidden_states=True).hidden_states[1][0]).sum(0)
+    assert most_active_latent(model, sae, examples, pad_id=0, token_batch_size=32) == int(sums.argmax())

@@ -19,8 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from assay.core.hooks import StopForward, get_module, output_tensor
-from assay.latent_attribution import SaeWeights
+from assay.latent_attribution import SaeWeights, hook_activations
 
 TOP_CONTEXTS = 8
 TOP_TOKENS = 8
@@ -76,20 +75,8 @@ def _pad(seqs: list[np.ndarray], device: torch.device) -> tuple[torch.Tensor, to
 @torch.no_grad()
 def _latents(model: Any, sae: SaeWeights, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """[B, T, d_sae] fp32 latent activations (0 at padding); the forward stops at the hookpoint."""
-    got: list[torch.Tensor] = []
-
-    def grab(_m: Any, _i: Any, out: Any) -> None:
-        got.append(output_tensor(out))
-        raise StopForward
-
-    handle = get_module(model, sae.hookpoint).register_forward_hook(grab)
-    try:
-        model(input_ids=ids, attention_mask=mask, use_cache=False)
-    except StopForward:
-        pass
-    finally:
-        handle.remove()
-    return sae.encode(got[0].float()) * mask[:, :, None].float()
+    h = hook_activations(model, sae.hookpoint, {"input_ids": ids, "attention_mask": mask})
+    return sae.encode(h.float()) * mask[:, :, None].float()
 
 
 def _token_text(tokenizer: Any, cache: dict[int, str], tok: int) -> str:
