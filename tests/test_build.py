@@ -119,3 +119,20 @@ def test_lora_index_holds_only_adapter_modules(tmp_path, tiny_model_dir, texts_j
     index = assay.open_index(out)
     assert index.modules and all(".lora_A." in m or ".lora_B." in m for m in index.modules)
     assert index.meta["model"]["lora"]["rank"] == 2
+    setup = setup_from_index(index, device="cpu")  # the same seeded adapter: fingerprints agree
+    assert list(setup.modules) == list(index.modules)
+
+
+@pytest.mark.parametrize("kind", ["adafactor", "adam"])
+def test_estimated_normalizer_is_saved_and_reused(tmp_path, tiny_model_dir, texts_jsonl, kind):
+    out = tmp_path / kind
+    assert _build(out, tiny_model_dir, texts_jsonl, "--normalizer", kind, "--normalizer_samples", "4") == 0
+    index = assay.open_index(out)
+    tensors = index.normalizer_tensors()
+    assert tensors and all(t.dtype == torch.float32 for t in tensors.values())
+    setup = setup_from_index(index, device="cpu")  # queries get the index's normalizer, not a new one
+    assert setup.normalizer is not None and setup.normalizer.kind == kind
+    _, examples = load_examples(DataConfig(dataset=str(texts_jsonl)), setup.tokenizer)
+    again = collect(setup, examples, token_batch_size=64)
+    rows = np.asarray(index.gradients)
+    assert np.linalg.norm(rows - again) <= 1e-5 * np.linalg.norm(rows)

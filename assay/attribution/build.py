@@ -68,8 +68,9 @@ class BuildConfig:
     normalizer: Literal["none", "adafactor", "adam"] = "none"
     """Divide gradients by the square root of an optimizer's second moments (fp32)."""
     optimizer_state: str | None = None
-    """An optimizer.pt (torch / HF Trainer, Adam or Adafactor) to take second moments from;
-    without it they are estimated from --normalizer_samples examples."""
+    """Second moments to use: an `assay finetune` run folder (its optimizer_state.safetensors) or
+    a torch / HF Trainer optimizer.pt (Adam or Adafactor); without it they are estimated from
+    --normalizer_samples examples."""
     normalizer_samples: int = 1000
     """Examples the second moments are estimated from (when no --optimizer_state)."""
     normalizer_beta2: float = 0.999
