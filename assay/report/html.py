@@ -221,7 +221,8 @@ nav.toc a:hover{color:var(--accent)}
 font-size:11px;
 margin-bottom:8px}
 main{flex:1;min-width:0;padding:24px 28px 60px}
-.page-head h1{margin:0 0 4px;font-size:28px}.page-head p{margin:4px 0;color:var(--muted)}
+.page-head h1{margin:0 0 4px;font-size:28px}.page-head p.lead{color:var(--fg);font-size:16px;max-width:900px}
+.page-head p{margin:4px 0;color:var(--muted)}
 section.run{background:var(--card);border:1px solid var(--line);border-radius:12px;padding:20px 24px;
 margin:22px 0;box-shadow:0 1px 2px rgba(0,0,0,.04)}
 section.run>header{display:flex;align-items:baseline;gap:10px;flex-wrap:wrap;
