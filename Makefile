@@ -45,3 +45,12 @@ browser:
 	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
 	  { if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
 	    $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q chromium; }
+
+# The two bundled data-selection experiments (docs/coreset.md): ~20-30 min each on 2 CPU cores.
+# One torch thread each: on a busy or small CPU that is much faster than oversubscribing.
+.PHONY: coreset-demo targeted-demo
+coreset-demo: setup
+	$(VENV)/bin/assay coreset coreset-out --preset coreset --max_length 128 --threads 1
+
+targeted-demo: setup
+	$(VENV)/bin/assay coreset targeted-out --preset targeted --max_length 128 --threads 1 --no_pool_loss

@@ -46,15 +46,14 @@ def prepare_preset(
         return {k: str(v) for k, v in paths.items()}
     train, held_out = _read("train"), _read("eval")
     order = np.random.default_rng(1234).permutation(len(train))
+    pool = [int(i) for i in order[:pool_size]]  # an unbiased sample of every collection
     if name == "targeted":
-        target = [i for i in order if train[i]["collection"] == TARGET_COLLECTION]
-        query_rows = set(int(i) for i in target[:query_size])
-        order = np.array([i for i in order if int(i) not in query_rows])
-        _write(paths["query"], [train[i] for i in sorted(query_rows)])
+        rest = [int(i) for i in order[pool_size:] if train[i]["collection"] == TARGET_COLLECTION]
+        _write(paths["query"], [train[i] for i in sorted(rest[:query_size])])
         _write(paths["eval"], [r for r in held_out if r["collection"] == TARGET_COLLECTION])
     else:
         _write(paths["query"], [])
         picked = np.random.default_rng(5678).permutation(len(held_out))[:eval_size]
         _write(paths["eval"], [held_out[int(i)] for i in sorted(picked)])
-    _write(paths["pool"], [train[int(i)] for i in sorted(order[:pool_size])])
+    _write(paths["pool"], [train[i] for i in sorted(pool)])
     return {k: str(v) for k, v in paths.items()}

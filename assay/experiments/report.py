@@ -106,11 +106,12 @@ def markdown(results: dict[str, Any]) -> str:
     ]
     for row in rows.values():
         p, e, w = row["pool_loss_stats"], row["eval_loss_stats"], row["wall_s_stats"]
+        pool_text = "–" if np.isnan(p["mean"]) else f"{p['mean']:.4f} ± {p['std']:.4f}"
         vs = row.get("eval_vs_random")
         vs_text = f"{vs['mean']:+.4f} ({vs['wins']}/{vs['of']})" if vs else "–"
         seeds = ", ".join(f"{v:.4f}" for v in row["eval_loss"])
         lines.append(
-            f"| {row['label']} | {row['examples']} | {p['mean']:.4f} ± {p['std']:.4f} "
+            f"| {row['label']} | {row['examples']} | {pool_text} "
             f"| {e['mean']:.4f} ± {e['std']:.4f} | {vs_text} | {seeds} | {w['mean']:.1f} |"
         )
     if "overlap_trackstar_bf16_fp32" in facts:
