@@ -67,7 +67,11 @@ def ranked_table(pairs: list, texts: dict[int, str], losses: dict[int, float], s
             )
         )
     return h.table(
-        ["#", "score", "train id", "loss", "text"], rows, numeric=(0, 2, 3), raw_columns=(1, 4), cls="ranked"
+        ["#", "score", "train id", "loss (sum)", "text"],
+        rows,
+        numeric=(0, 2, 3),
+        raw_columns=(1, 4),
+        cls="ranked",
     )
 
 
@@ -84,7 +88,12 @@ def query_card(
     label = record.get("query")
     if record.get("queries") is not None:
         head = f"{label} over {len(record['queries'])} queries"
-        text_html = ""
+        listed = "".join(f"<li>{h.folded_text(str(q))}</li>" for q in record.get("query_texts", []))
+        text_html = (
+            h.details(f"the {len(record['queries'])} queries", f"<ul>{listed}</ul>", cls="block")
+            if listed
+            else ""
+        )
     else:
         head = f"query {label}"
         text_html = h.folded_text(query_text, preview_chars=220, preview_lines=3) if query_text else ""
@@ -147,6 +156,9 @@ def score_section(run: Run) -> h.Section:
     fires = _latent_views(
         run, Path(index_path), {str(r["query"]): queries.get(str(r["query"]), "") for r in shown}
     )
+    for r in shown:  # an aggregate column lists the texts of the queries it averages
+        if r.get("queries") is not None:
+            r["query_texts"] = [queries.get(str(q), str(q)) for q in r["queries"]]
     cards = [
         query_card(
             r, queries.get(str(r.get("query"))), texts, losses, labels, fires.get(str(r.get("query")), "")
@@ -161,7 +173,7 @@ def score_section(run: Run) -> h.Section:
     body += h.search_box(scope, "Search queries and training texts…")
     body += f'<div id="{h.esc(scope)}">{"".join(cards)}</div>{more}'
     body += settings_block(run, [("index", index_path)])
-    subtitle = f"{len(records)} score columns against {index_path}"
+    subtitle = f"{len(records)} score column{'s' if len(records) != 1 else ''} against {index_path}"
     return h.Section(run.name, "score", body, subtitle=subtitle)
 
 
