@@ -153,3 +153,19 @@ def test_cached_row_norms_give_the_direct_scores(setup):
         got[name] = np.load(out / "scores.npy")
     np.testing.assert_allclose(got["cached"], got["direct"], rtol=1e-4, atol=1e-6)
     np.testing.assert_array_equal(got["cached-again"], got["cached"])
+
+
+def test_faiss_search_matches_exact_on_the_index(setup):
+    pytest.importorskip("faiss")
+    root, _, _, query = setup
+    found = {}
+    for search in ("exact", "faiss"):
+        out = root / f"search-{search}"
+        cfg = ScoreConfig(
+            out=str(out), index=str(root / "index"), query_text=(query,), mix=0.0, search=search,
+            faiss_lists=8, faiss_probe=8,
+        )  # fmt: skip
+        run_score(cfg)
+        found[search] = json.loads((out / "top.jsonl").read_text())
+    assert [i for i, _ in found["faiss"]["proponents"]] == [i for i, _ in found["exact"]["proponents"]]
+    assert found["faiss"]["proponents"][0][0] == NUM_TUNES  # the planted near-duplicate

@@ -126,11 +126,17 @@ class Whitening:
         mats = {n: w.to(device) for n, w in self.matrices.items()}
         return Whitening(self.slices, mats, self.mix, self.damping, self.lowrank)
 
-    def apply(self, x: torch.Tensor, times: int = 1) -> torch.Tensor:
-        """W^times x for rows x [B, D] (times=2 gives R^{-1} x); fp32 out, input untouched."""
+    def apply(
+        self, x: torch.Tensor, times: int = 1, matrices: dict[str, torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """W^times x for rows x [B, D] (times=2 gives R^{-1} x); fp32 out, input untouched.
+
+        `matrices` replaces W by other per-module matrices (e.g. LowRank.base).
+        """
+        matrices = matrices or self.matrices
         out = x.to(STATS_DTYPE).clone()
         for name, sl in self.slices.items():
-            w = self.matrices[name]
+            w = matrices[name]
             for _ in range(times):
                 out[:, sl] = out[:, sl] @ w
         return out

@@ -15,7 +15,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -84,6 +84,13 @@ class ScoreConfig:
     """Also write every score: scores.npy [queries or 1, N] float32."""
     chunk_rows: int = 0
     """Index rows scored per chunk (0: ~8 MiB of fp32 rows, which stays in the CPU cache)."""
+    search: Literal["exact", "faiss"] = "exact"
+    """exact: stream every row (default). faiss: an approximate IVF index, built once per index
+    and cached, for many millions of rows (needs `assay[faiss]`; trackstar then uses λ = 0)."""
+    faiss_lists: int = 0
+    """FAISS inverted lists (0: about 4·sqrt(N))."""
+    faiss_probe: int = 16
+    """Lists searched per query (more: closer to exact, slower)."""
     cache_norms: bool = True
     """trackstar with few queries: cache each index row's whitened norm under the training
     statistics (in the assay cache), so later runs stream the index at memory speed."""
@@ -107,6 +114,8 @@ class ScoreConfig:
             raise AssayError(f"--mix must be in [0, 1], got {self.mix}")
         if self.damping < 0 or not 0.0 < self.mix_fraction <= 1.0:
             raise AssayError("--damping must be >= 0 and --mix_fraction in (0, 1]")
+        if self.search == "faiss" and (self.save_scores or self.mode not in ("trackstar", "cosine")):
+            raise AssayError("--search faiss gives top-k only (no --save_scores), for trackstar or cosine")
         if (self.query_filter_column is None) != (self.query_filter_value is None):
             raise AssayError("--query_filter_column and --query_filter_value go together")
 
@@ -229,6 +238,15 @@ def auto_chunk_rows(dim: int) -> int:
     return max(64, (8 << 20) // (4 * dim))
 
 
+def index_cache_path(index: GradientIndex, kind: str, key: str, suffix: str) -> Path:
+    """A file in the assay cache tied to this index build (folder, finish time, model) and `key`."""
+    done = index.path / DONE_FILE
+    stamp = done.read_text() if done.exists() else ""
+    model = index.meta["model"]["fingerprint"]
+    ident = "|".join(str(p) for p in (index.path.resolve(), model, len(index), stamp, key))
+    return cache_dir() / kind / (hashlib.sha256(ident.encode()).hexdigest()[:24] + suffix)
+
+
 def cached_base_norms(index: GradientIndex, whitening: Whitening, chunk_rows: int) -> np.ndarray:
     """[N] ‖(R_train + δI)^{-1/2} t‖² per row, computed once per index and damping and cached.
 
@@ -236,11 +254,7 @@ def cached_base_norms(index: GradientIndex, whitening: Whitening, chunk_rows: in
     model, the statistics and the damping. Without a writable cache it is computed each time.
     """
     assert whitening.lowrank is not None
-    done = index.path / DONE_FILE
-    stamp = done.read_text() if done.exists() else ""
-    model = index.meta["model"]["fingerprint"]
-    ident = "|".join(str(p) for p in (index.path.resolve(), model, len(index), stamp, whitening.lowrank.key))
-    path = cache_dir() / "score-norms" / (hashlib.sha256(ident.encode()).hexdigest()[:24] + ".npy")
+    path = index_cache_path(index, "score-norms", whitening.lowrank.key, ".npy")
     if path.exists():
         cached = np.load(path, allow_pickle=False)
         if cached.shape == (len(index),):
@@ -255,6 +269,22 @@ def cached_base_norms(index: GradientIndex, whitening: Whitening, chunk_rows: in
     except OSError as e:
         note(f"could not cache the row norms ({e}); they will be recomputed next time")
     return norms
+
+
+def faiss_top(
+    index: GradientIndex, queries: torch.Tensor, cfg: ScoreConfig
+) -> tuple[TopRows, Whitening | None]:
+    """Approximate top/bottom rows through a cached FAISS index (see ann.py: trackstar uses λ = 0)."""
+    from assay.attribution.ann import load_or_build_ann, search_ann
+
+    whitening = whitening_for(index, queries, cfg.mode, 0.0, cfg.damping, cfg.mix_fraction)
+    key = f"{cfg.mode}|{whitening.lowrank.key if whitening and whitening.lowrank else ''}|{cfg.faiss_lists}"
+    path = index_cache_path(index, "faiss", key, ".faiss")
+    source = ArrayRows(index.gradients)
+    chunk = cfg.chunk_rows or auto_chunk_rows(index.dim)
+    ann = load_or_build_ann(source, cfg.mode, whitening, path, cfg.faiss_lists, chunk)
+    top = search_ann(ann, source, queries, cfg.mode, whitening, cfg.aggregate, cfg.top_k, cfg.faiss_probe)
+    return top, whitening
 
 
 def score_index(
@@ -323,10 +353,13 @@ def run_score(cfg: ScoreConfig) -> dict[str, Any]:
                 run.path / "scores.npy", mode="w+", dtype=np.float32, shape=(columns, len(index))
             )
         start = time.perf_counter()
-        top, whitening = score_index(
-            index, grads, cfg.mode, cfg.aggregate, cfg.top_k, cfg.mix, cfg.damping, cfg.mix_fraction,
-            scores_out, cfg.chunk_rows, cfg.cache_norms,
-        )  # fmt: skip
+        if cfg.search == "faiss":
+            top, whitening = faiss_top(index, grads, cfg)
+        else:
+            top, whitening = score_index(
+                index, grads, cfg.mode, cfg.aggregate, cfg.top_k, cfg.mix, cfg.damping, cfg.mix_fraction,
+                scores_out, cfg.chunk_rows, cfg.cache_norms,
+            )  # fmt: skip
         seconds = time.perf_counter() - start
         if scores_out is not None:
             scores_out.flush()
@@ -340,6 +373,7 @@ def run_score(cfg: ScoreConfig) -> dict[str, Any]:
             "index": str(index.path),
             "mode": cfg.mode,
             "aggregate": cfg.aggregate,
+            "search": cfg.search,
             "num_queries": len(queries.ids),
             "num_rows": len(index),
             "mix": whitening.mix if whitening else None,
