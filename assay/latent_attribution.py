@@ -113,21 +113,8 @@ class SaeWeights:
         return F.relu(pre_l)
 
 
-def _architecture(cfg: dict[str, Any], has_threshold: bool) -> str:
-    arch = str(cfg.get("architecture", "standard")).lower()
-    if arch in ("standard", "relu", "gated_as_standard"):
-        return "standard"
-    if arch in ("jumprelu", "batchtopk") or (arch not in ("topk",) and has_threshold):
-        return "jumprelu"
-    if arch == "topk":
-        return "topk"
-    raise AssayError(f"unsupported SAE architecture {arch!r} (supported: standard/relu, topk, jumprelu)")
-
-
-def load_sae(sae_dir: Path | str, hookpoint: str | None = None) -> SaeWeights:
-    """Read an SAE folder in SAELens format (cfg.json + sae_weights.safetensors), fp32."""
-    from safetensors.torch import load_file
-
+def find_sae_folder(sae_dir: Path | str) -> Path:
+    """The folder holding cfg.json + sae_weights.safetensors: SAE_DIR itself, or one level down."""
     folder = Path(sae_dir)
     candidates = [folder, folder / "sae"] + sorted(p.parent for p in folder.glob("*/" + SAE_WEIGHTS))
     found = next((c for c in candidates if (c / SAE_WEIGHTS).exists() and (c / SAE_CONFIG).exists()), None)
@@ -135,30 +122,32 @@ def load_sae(sae_dir: Path | str, hookpoint: str | None = None) -> SaeWeights:
         raise AssayError(
             f"{folder} holds no SAE ({SAE_CONFIG} + {SAE_WEIGHTS}); train one with `assay sae train`"
         )
-    cfg = json.loads((found / SAE_CONFIG).read_text())
-    tensors = {k: v.to(STATS_DTYPE) for k, v in load_file(str(found / SAE_WEIGHTS)).items()}
-    missing = [k for k in ("W_enc", "b_enc", "W_dec", "b_dec") if k not in tensors]
-    if missing:
-        raise AssayError(f"{found / SAE_WEIGHTS} lacks {', '.join(missing)}")
-    norm = cfg.get("normalize_activations", "none")
-    if norm not in (None, "none"):
-        raise AssayError(
-            f"{found}: normalize_activations={norm!r} is not folded into the weights; re-save it"
-        )
-    meta = cfg.get("metadata") or {}
-    hook = hookpoint or meta.get("hook_name") or cfg.get("hook_name")
+    return found
+
+
+def load_sae(sae_dir: Path | str, hookpoint: str | None = None) -> SaeWeights:
+    """An SAE folder in SAELens format, read by the SAE pillar's own reader, as fp32 tensors.
+
+    The reader folds `apply_b_dec_to_input = false` into b_enc and refuses unfolded activation
+    normalisation, so the encoder here is always pre = (x - b_dec) @ W_enc + b_enc.
+    """
+    from assay.sae.saelens_format import load_sae as read_saelens
+
+    found = find_sae_folder(sae_dir)
+    sae, meta = read_saelens(found)
+    hook = hookpoint or meta.get("hook_name")
     if not hook:
         raise AssayError(f"{found / SAE_CONFIG} names no hook_name; pass the hookpoint explicitly")
-    threshold = tensors.get("threshold")
-    arch = _architecture(cfg, threshold is not None)
-    if arch == "jumprelu" and threshold is None:
-        raise AssayError(f"{found}: a jumprelu SAE needs a `threshold` tensor")
-    k = cfg.get("k") or meta.get("k")
-    if arch == "topk" and not k:
-        raise AssayError(f"{found / SAE_CONFIG}: a topk SAE needs `k`")
+    arch = {"relu": "standard", "topk": "topk", "jumprelu": "jumprelu"}[sae.arch.architecture]
+    with torch.no_grad():
+        W_enc, b_enc, W_dec, b_dec = (
+            t.detach().to(STATS_DTYPE).clone() for t in (sae.W_enc, sae.b_enc, sae.W_dec, sae.b_dec)
+        )
+        threshold = sae.threshold().detach().to(STATS_DTYPE).clone() if arch == "jumprelu" else None
     return SaeWeights(
-        tensors["W_enc"], tensors["b_enc"], tensors["W_dec"], tensors["b_dec"], threshold, arch,
-        int(k) if k else None, str(hook), bool(cfg.get("apply_b_dec_to_input", True)), cfg,
+        W_enc=W_enc, b_enc=b_enc, W_dec=W_dec, b_dec=b_dec, threshold=threshold, architecture=arch,
+        k=sae.arch.k if arch == "topk" else None, hookpoint=str(hook), apply_b_dec_to_input=True,
+        cfg=json.loads((found / SAE_CONFIG).read_text()),
     )  # fmt: skip
 
 
