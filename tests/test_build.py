@@ -75,7 +75,8 @@ def test_refuses_to_overwrite_and_rejects_incomplete(tmp_path, tiny_model_dir, t
         assay.open_index(tmp_path / "never")
 
 
-def test_resume_after_kill_equals_uninterrupted(tmp_path, tiny_model_dir, many_jsonl, monkeypatch):
+@pytest.mark.parametrize("torn_file", [False, True])
+def test_resume_after_kill_equals_uninterrupted(tmp_path, tiny_model_dir, many_jsonl, monkeypatch, torn_file):
     whole = tmp_path / "whole"
     assert _build(whole, tiny_model_dir, many_jsonl, "--token_batch_size", "64") == 0
     calls = {"n": 0}
@@ -92,6 +93,8 @@ def test_resume_after_kill_equals_uninterrupted(tmp_path, tiny_model_dir, many_j
     assert _build(cut, tiny_model_dir, many_jsonl, "--token_batch_size", "64") == 130
     progress = json.loads((tmp_path / "cut.part" / "progress.json").read_text())
     assert progress["batches_done"] == 2 and progress["num_batches"] > 3
+    if torn_file:  # killed while a row file was being created: start the rows afresh
+        (tmp_path / "cut.part" / "gradients.npy").write_bytes(b"\x93NUMPY torn")
     monkeypatch.setattr(build_mod, "_to_store", real)
     assert _build(cut, tiny_model_dir, many_jsonl, "--token_batch_size", "64") == 0
     assert json.loads((cut / "run.json").read_text())

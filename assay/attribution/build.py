@@ -239,27 +239,33 @@ def _normalizer(cfg, folder: Path, model, modules, examples, policy, pad_id) -> 
     return normalizer
 
 
-def _open_arrays(folder: Path, n: int, dim: int, store_dtype: str) -> tuple[np.ndarray, ...]:
-    """The row memmaps, created empty or reopened for resuming (then shapes must agree)."""
+def _open_arrays(folder: Path, n: int, dim: int, store_dtype: str) -> tuple[list[Any], bool]:
+    """The row memmaps, reopened for resuming, or created empty (then `fresh` is True)."""
     specs = [(ix.GRADIENTS_FILE, (n, dim), store_dtype), (ix.LOSSES_FILE, (n,), "float32")]
     specs.append((ix.TOKENS_FILE, (n,), "int64"))
-    arrays = []
+    arrays, fresh = [], False
     for name, shape, dtype in specs:
         path = folder / name
-        arr = np.lib.format.open_memmap(path, mode="r+") if path.exists() else None
+        arr = None
+        if path.exists():
+            try:
+                arr = np.lib.format.open_memmap(path, mode="r+")
+            except (ValueError, OSError):  # killed while the file was being created
+                arr = None
         if arr is None or arr.shape != shape or arr.dtype != np.dtype(dtype):
             arr = np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=shape)
+            fresh = True
         arrays.append(arr)
-    return tuple(arrays)
+    return arrays, fresh
 
 
 def write_rows(setup: GradientSetup, examples: Examples, folder: Path, cfg: BuildConfig) -> dict[str, Any]:
     """Stream every example's gradient row to disk, batch by batch, resumably."""
     dim = setup.collector().dim
-    grads_out, losses_out, tokens_out = _open_arrays(folder, len(examples), dim, cfg.store_dtype)
+    (grads_out, losses_out, tokens_out), fresh = _open_arrays(folder, len(examples), dim, cfg.store_dtype)
     batches = token_batches(examples, cfg.token_batch_size)
     progress = folder / PROGRESS_FILE
-    done = int(read_json(progress)["batches_done"]) if progress.exists() else 0
+    done = int(read_json(progress)["batches_done"]) if progress.exists() and not fresh else 0
     if done:
         note(f"resuming: {done} of {len(batches)} batches already done")
     loss_tokens = examples.num_loss_tokens()

@@ -16,6 +16,7 @@ Tensors are stored per module in the (out, in) orientation, whatever the layer's
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -58,9 +59,10 @@ class Normalizer:
     def save(self, path: Path) -> None:
         from safetensors.torch import save_file
 
-        save_file(
-            {k: v.contiguous() for k, v in self.tensors.items()}, str(path), metadata={"kind": self.kind}
-        )
+        tmp = path.with_name(path.name + ".tmp")  # atomic: a killed build never leaves half a file
+        tensors = {k: v.contiguous() for k, v in self.tensors.items()}
+        save_file(tensors, str(tmp), metadata={"kind": self.kind})
+        os.replace(tmp, path)
 
     @classmethod
     def load(cls, path: Path) -> Normalizer:
