@@ -91,13 +91,18 @@ def _ce_pair(m: dict[str, Any]) -> str:
 
 
 def context_html(ctx: Any, scale: float) -> str:
-    spans = []
+    """Tokens shaded by activation (peak outlined, value on hover); inactive tokens stay plain text
+    (one span per active token only keeps a page of dozens of latents small)."""
+    parts = []
     for i, (tok, act) in enumerate(zip(ctx.tokens, ctx.acts)):
         alpha = 0.0 if scale <= 0 else min(max(act, 0.0) / scale, 1.0) * 0.85
+        if act <= 0 and i != ctx.peak:
+            parts.append(h.esc(tok))
+            continue
         cls = "tok peak" if i == ctx.peak else "tok"
-        style = f' style="background:rgba(234,88,12,{alpha:.2f})"' if alpha > 0.01 else ""
-        spans.append(f'<span class="{cls}"{style} title="{act:.3f}">{h.esc(tok)}</span>')
-    return f'<div class="ctx" title="example {ctx.example}, peak {ctx.max_act:.3f}">{"".join(spans)}</div>'
+        style = f' style="background:rgba(234,88,12,{max(alpha, 0.06):.2f})"'
+        parts.append(f'<span class="{cls}"{style} title="{act:.3f}">{h.esc(tok)}</span>')
+    return f'<div class="ctx" title="example {ctx.example}, peak {ctx.max_act:.3f}">{"".join(parts)}</div>'
 
 
 def token_chips(pairs: list[tuple[str, float]], cls: str) -> str:
