@@ -8,6 +8,7 @@ import json
 import re
 import shutil
 from pathlib import Path
+from xml.etree import ElementTree
 
 import numpy as np
 import pytest
@@ -158,6 +159,10 @@ def test_page_is_self_contained_and_escaped(page):
     assert len(re.findall(r"<script", text)) == 1  # our own inline script, nothing else
     assert not re.search(r'(src|href)="(https?:)?//', text) and "<link" not in text and "@import" not in text
     assert "<details" in text and "A long tune" in text  # long texts folded, still present
+    ids = re.findall(r'\sid="([^"]*)"', text)
+    assert len(ids) == len(set(ids))  # the inline SVGs and the sections share one id space
+    for svg in re.findall(r"<svg.*?</svg>", text, flags=re.S):
+        ElementTree.fromstring(svg)  # every chart is well-formed XML
 
 
 def test_degrades_gracefully(runs, tmp_path):
