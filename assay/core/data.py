@@ -167,10 +167,18 @@ class Examples:
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
-    """A short hash identifying a tokenizer's vocabulary and rules."""
+    """A short hash identifying a tokenizer's vocabulary and rules.
+
+    Truncation and padding are left out: they are per-call state that every `tokenizer(...)`
+    call rewrites in the backend, so including them made the hash depend on whether the
+    tokenizer had been called yet (e.g. on a tokenization cache hit).
+    """
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    text = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    if backend is None:
+        return hashlib.sha256(json.dumps(tokenizer.get_vocab(), sort_keys=True).encode()).hexdigest()[:16]
+    spec = json.loads(backend.to_str())
+    spec.pop("truncation", None), spec.pop("padding", None)
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def tokenize(table: Any, cfg: DataConfig, tokenizer: Any) -> Examples:
