@@ -54,6 +54,33 @@ def prepare(args: argparse.Namespace) -> Path:
     return folder
 
 
+def random_model(args: argparse.Namespace) -> Path:
+    """A random Llama of assay-tiny's shape (hidden 256, 4 layers) with SmolLM2's tokenizer.
+
+    Stands in for assay-tiny where that checkpoint is not available; speed depends on the
+    width only, and every library sees the same activations.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = cache_dir() / "bench" / "random-llama-256"
+    if not (folder / "config.json").exists():
+        tokenizer = load_tokenizer(ModelConfig(model="smollm2-135m"))
+        torch.manual_seed(0)
+        cfg = LlamaConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=256,
+            intermediate_size=1024,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            max_position_embeddings=512,
+        )
+        LlamaForCausalLM(cfg).save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+    print(folder)
+    return folder
+
+
 def run_ours(acts: Path, d_sae: int, precision: str, args: argparse.Namespace, sparse: bool) -> dict:
     train, held = load_split(acts / "train"), load_split(acts / "eval")
     scale = scale_of(train)
@@ -91,9 +118,37 @@ def run_ours(acts: Path, d_sae: int, precision: str, args: argparse.Namespace, s
     }
 
 
+def table(files: list[Path]) -> None:
+    """Markdown rows (median tokens/s over repeats) from the JSON lines of both scripts."""
+    groups: dict[tuple, list[dict]] = {}
+    for path in files:
+        for line in path.read_text().splitlines():
+            r = json.loads(line)
+            key = (r["d_in"], r["d_sae"], r["library"], r.get("kernel", "-"), r["precision"])
+            groups.setdefault(key, []).append(r)
+    print("| d_in x d_sae | library | kernel | precision | tokens/s | FVU | L0 | dead | runs |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for (d_in, d_sae, lib, kernel, prec), rs in sorted(groups.items()):
+        speed = float(np.median([r["tokens_per_s"] for r in rs]))
+        fvu, l0 = float(np.median([r["fvu"] for r in rs])), float(np.median([r["l0"] for r in rs]))
+        dead = float(np.median([r["dead_fraction"] for r in rs]))
+        cells = [
+            f"{d_in} x {d_sae}",
+            lib,
+            kernel,
+            prec,
+            f"{speed:,.0f}",
+            f"{fvu:.3f}",
+            f"{l0:.1f}",
+            f"{dead:.1%}",
+        ]
+        print("| " + " | ".join([*cells, str(len(rs))]) + " |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["prepare", "run"])
+    p.add_argument("mode", choices=["random-model", "prepare", "run", "table"])
+    p.add_argument("files", nargs="*", type=Path, help="table: JSON-lines files written with --out")
     p.add_argument("--model", default="assay-tiny")
     p.add_argument("--hookpoint", default="model.layers.2")
     p.add_argument("--tokens", type=int, default=409_600)
@@ -110,6 +165,12 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
+    if args.mode == "table":
+        table(args.files)
+        return
+    if args.mode == "random-model":
+        random_model(args)
+        return
     if args.mode == "prepare":
         prepare(args)
         return

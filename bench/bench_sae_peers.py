@@ -26,7 +26,8 @@ from bench_sae_common import DEAD_WINDOW_STEPS, Timer, batches, load_split, mach
 
 
 def default_lr(d_sae: int) -> float:
-    return 2e-4 / math.sqrt(d_sae / 2**14)
+    """assay's default (assay.sae.train.default_learning_rate), so Adam runs share the lr."""
+    return 8e-4 / math.sqrt(d_sae / 2**14)
 
 
 def run_saelens(data: list, held: torch.Tensor, d_sae: int, args: argparse.Namespace, autocast: bool) -> dict:

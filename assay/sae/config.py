@@ -89,7 +89,7 @@ class SaeTrainConfig:
     lm_batch_contexts: int = 32
     """Contexts per language-model forward while streaming activations."""
     learning_rate: float | None = None
-    """Adam learning rate (default: 2e-4 / sqrt(d_sae / 16384), the TopK scaling law)."""
+    """Adam learning rate (default: 8e-4 / sqrt(d_sae / 16384), Gao et al.'s width scaling)."""
     lr_warmup_steps: int = 50
     """Linear learning-rate warm-up from 0."""
     lr_decay_fraction: float = 0.2
