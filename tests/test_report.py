@@ -238,3 +238,49 @@ def test_in_a_real_browser(page, tmp_path):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 50_000
     width, height = int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")
     assert (width, height) == (1280, 2000)
+
+
+@pytest.mark.parametrize("dead_head", [False, True])
+def test_feature_browser_against_a_dense_reference(dead_head):
+    """Densities, peaks, top contexts and per-token activations equal those of each text encoded
+    alone (no padding); with the lowest latents dead the second pass gives the same answers."""
+    import torch
+
+    from assay.latent_attribution import SaeWeights
+    from assay.report.features import TOP_CONTEXTS, browse
+    from tests.conftest import make_llama, make_tokenizer
+
+    tok = make_tokenizer()
+    model = make_llama(len(tok), seed=0).eval()
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(32, 64, generator=g) / 32**0.5
+    b_enc = torch.zeros(64)
+    if dead_head:
+        b_enc[:20] = -1e3  # latents 0..19 never fire: the first 4 live ones lie past the kept head
+    sae = SaeWeights(w, b_enc, w.T.clone(), torch.zeros(32), None, "topk", 6, "model.layers.0", True, {})
+    rng = np.random.default_rng(0)
+    seqs = [rng.integers(1, len(tok), size=n).astype(np.int32) for n in (9, 17, 5, 12, 14)]
+    fb = browse(model, tok, sae, seqs, [10, 11, 12, 13, 14], 4, torch.device("cpu"), batch=2)
+    with torch.no_grad():
+        hidden = [
+            model(input_ids=torch.from_numpy(s[None].astype(np.int64)), output_hidden_states=True)
+            for s in seqs
+        ]
+        dense = [sae.encode(out.hidden_states[1][0]).numpy() for out in hidden]  # [T_i, 64] each
+    allz = np.concatenate(dense)  # [tokens, 64]
+    density = (allz > 0).mean(0)
+    np.testing.assert_allclose(fb.density, density, rtol=1e-6)
+    live = np.flatnonzero(density > 0)[:4]
+    assert [f.latent for f in fb.features] == list(live) and (not dead_head or live[0] >= 20)
+    for f in fb.features:
+        peaks = np.array([z[:, f.latent].max() for z in dense])
+        order = [i for i in np.argsort(-peaks, kind="stable")[:TOP_CONTEXTS] if peaks[i] > 0]
+        assert [c.example for c in f.contexts] == [10 + i for i in order]
+        for c, i in zip(f.contexts, order):
+            window = dense[i][:, f.latent]
+            lo = max(0, int(window.argmax()) - 24)
+            np.testing.assert_allclose(c.acts, window[lo : lo + len(c.acts)], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(
+            sorted(f.values), sorted(allz[:, f.latent][allz[:, f.latent] > 0]), rtol=1e-5
+        )
+        assert f.promoted and f.suppressed and f.promoted[0][1] >= f.promoted[-1][1]

@@ -1,10 +1,11 @@
 """The SAE feature browser's data: top activating contexts, activation histograms, logit effects.
 
 Bounded by construction: `num_examples` held-out texts (each cut to the SAE's context length)
-are read twice through the model up to the hookpoint (the forward stops there). Pass 1 counts
-how often every latent fires and each example's peak per latent; the shown latents are the
-first `num_latents` live ones by index (an unbiased sample, not the loudest). Pass 2 keeps the
-per-token activations of just those latents, for highlighting and histograms.
+are read through the model up to the hookpoint (the forward stops there). One pass counts how
+often every latent fires and each example's peak per latent, and keeps the per-token
+activations of the lowest-index latents; the shown latents are the first `num_latents` live
+ones by index (an unbiased sample, not the loudest). Only when fewer of those live than asked
+does a second pass fetch the per-token activations of the chosen latents.
 
 Output tokens: a latent's decoder row W_dec[l] [d_in] times the unembedding W_U [V, d_in]
 gives its direct effect on the logits (the "logit lens" view; the final norm and any later
@@ -132,31 +133,54 @@ def browse(
     model: Any, tokenizer: Any, sae: SaeWeights, seqs: list[np.ndarray], ids: list[int], num_latents: int,
     device: torch.device, batch: int = 8,
 ) -> FeatureBrowser:  # fmt: skip
-    """Read `seqs` (token arrays) twice and assemble the browser for the first live latents."""
+    """Read `seqs` (token arrays) once (twice when few low-index latents live) and assemble the
+    browser for the first `num_latents` live latents by index."""
     sae.to(device)
     d = sae.d_sae
+    head = min(d, 4 * num_latents)  # per-token activations kept in pass 1: latents [0, head)
     fired = torch.zeros(d, dtype=torch.float64)
     peaks = np.zeros((len(seqs), d), dtype=np.float32)  # [N, d_sae] each example's max per latent
-    n_tokens, active = 0, 0
+    kept: dict[int, np.ndarray] = {}  # position -> [T_i, head]
+    n_tokens = 0
     groups = _batches([len(s) for s in seqs], batch)
-    for group in groups:  # pass 1: densities and per-example peaks of every latent
+    for group in groups:  # pass 1: densities, per-example peaks, activations of the first latents
         ids_t, mask = _pad([seqs[i] for i in group], device)
         z = _latents(model, sae, ids_t, mask)  # [B, T, d]
-        on = z > 0
-        fired += on.sum((0, 1)).double().cpu()
-        active += int(on.sum())
+        fired += (z > 0).sum((0, 1)).double().cpu()
         n_tokens += int(mask.sum())
         peaks[group] = z.amax(1).cpu().numpy()
+        first = z[:, :, :head].cpu().numpy()
+        for r, i in enumerate(group):
+            kept[i] = first[r, : len(seqs[i])]
     density = (fired / max(n_tokens, 1)).numpy()
     chosen = [int(i) for i in np.flatnonzero(density > 0)[:num_latents]]
-    per_example: dict[int, np.ndarray] = {}  # position -> [T_i, len(chosen)]
-    if chosen:
-        cols = torch.tensor(chosen, device=device)
-        for group in groups:  # pass 2: per-token activations of the chosen latents only
-            ids_t, mask = _pad([seqs[i] for i in group], device)
-            acts = _latents(model, sae, ids_t, mask)[:, :, cols].cpu().numpy()  # [B, T, n_chosen]
-            for r, i in enumerate(group):
-                per_example[i] = acts[r, : len(seqs[i])]
+    if chosen and chosen[-1] < head:
+        per_example = {i: a[:, chosen] for i, a in kept.items()}  # position -> [T_i, len(chosen)]
+    else:
+        per_example = _second_pass(model, sae, seqs, groups, chosen, device)
+    features = _features(model, tokenizer, sae, seqs, ids, chosen, density, peaks, per_example)
+    return FeatureBrowser(features, density, n_tokens, len(seqs), float(fired.sum()) / max(n_tokens, 1))
+
+
+def _second_pass(model: Any, sae: SaeWeights, seqs: list[np.ndarray], groups: list[list[int]],
+                 chosen: list[int], device: torch.device) -> dict[int, np.ndarray]:  # fmt: skip
+    """{position: [T_i, len(chosen)]} per-token activations of the chosen latents only."""
+    per_example: dict[int, np.ndarray] = {}
+    if not chosen:
+        return per_example
+    cols = torch.tensor(chosen, device=device)
+    for group in groups:
+        ids_t, mask = _pad([seqs[i] for i in group], device)
+        acts = _latents(model, sae, ids_t, mask)[:, :, cols].cpu().numpy()  # [B, T, n_chosen]
+        for r, i in enumerate(group):
+            per_example[i] = acts[r, : len(seqs[i])]
+    return per_example
+
+
+def _features(model: Any, tokenizer: Any, sae: SaeWeights, seqs: list[np.ndarray], ids: list[int],
+              chosen: list[int], density: np.ndarray, peaks: np.ndarray,
+              per_example: dict[int, np.ndarray]) -> list[Feature]:  # fmt: skip
+    """One Feature per chosen latent: top contexts, nonzero activations, logit effects."""
     cache: dict[int, str] = {}
     effects = _logit_effects(model, sae, chosen, tokenizer, cache)
     features = []
@@ -171,4 +195,4 @@ def browse(
         feat.contexts = [_context(seqs[i], per_example[i][:, c], ids[i], tokenizer, cache) for i in order]
         feat.promoted, feat.suppressed = effects.get(latent, ([], []))
         features.append(feat)
-    return FeatureBrowser(features, density, n_tokens, len(seqs), active / max(n_tokens, 1))
+    return features
