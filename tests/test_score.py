@@ -16,8 +16,8 @@ from assay.core.config import DataConfig, ModelConfig, RuntimeConfig
 from assay.core.data import load_table
 
 MODEL = "assay-tiny"
-NUM_TUNES = 150
-MAX_LENGTH = 128
+NUM_TUNES = 120
+MAX_LENGTH = 96
 
 
 def near_duplicate(tune: str) -> str:
@@ -124,33 +124,32 @@ def test_cli_outputs_and_table(setup, capsys):
     assert 0.0 < summary["mix"] < 1.0 and summary["num_rows"] == NUM_TUNES + 1
 
 
-def test_aggregates_agree_with_per_query_scores(setup):
+@pytest.fixture(scope="module")
+def three_queries(setup):
+    """Three training tunes as queries, their gradients computed once through the query path."""
     root, data, _, _ = setup
+    index = open_index(root / "index")
+    cfg = ScoreConfig(out="", index=str(index.path), query_dataset=str(data), query_max_samples=3)
+    return index, query_gradients(cfg, index)[2]
+
+
+def test_aggregates_agree_with_per_query_scores(three_queries):
+    index, grads = three_queries
     full = {}
     for agg in ("none", "mean", "max"):
-        out = root / f"agg-{agg}"
-        cfg = ScoreConfig(
-            out=str(out), index=str(root / "index"), query_dataset=str(data), query_max_samples=4,
-            aggregate=agg, save_scores=True, mix=0.3,
-        )  # fmt: skip
-        run_score(cfg)
-        full[agg] = np.load(out / "scores.npy")
+        full[agg] = np.zeros((3 if agg == "none" else 1, len(index)), np.float32)
+        score_index(index, grads, "trackstar", agg, mix=0.3, scores_out=full[agg])
     np.testing.assert_allclose(full["mean"][0], full["none"].mean(0), rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(full["max"][0], full["none"].max(0), rtol=1e-6)
 
 
-def test_cached_row_norms_give_the_direct_scores(setup):
+def test_cached_row_norms_give_the_direct_scores(three_queries):
     """trackstar with few queries uses cached norms + Woodbury; it must equal whitening each row."""
-    root, data, _, _ = setup
+    index, grads = three_queries
     got = {}
     for name, cache in (("direct", False), ("cached", True), ("cached-again", True)):
-        out = root / f"norms-{name}"
-        cfg = ScoreConfig(
-            out=str(out), index=str(root / "index"), query_dataset=str(data), query_max_samples=3,
-            save_scores=True, cache_norms=cache,
-        )  # fmt: skip
-        run_score(cfg)
-        got[name] = np.load(out / "scores.npy")
+        got[name] = np.zeros((3, len(index)), np.float32)
+        score_index(index, grads, "trackstar", scores_out=got[name], cache_norms=cache)
     np.testing.assert_allclose(got["cached"], got["direct"], rtol=1e-4, atol=1e-6)
     np.testing.assert_array_equal(got["cached-again"], got["cached"])
 

@@ -27,7 +27,7 @@ def top_overlap(a: np.ndarray, b: np.ndarray, k: int = 10) -> float:
     return len(set(np.argsort(-a)[:k]) & set(np.argsort(-b)[:k])) / k
 
 
-def compare(tmp, precisions=("fp32", "bf16"), tunes=150, queries=5, mode="trackstar"):
+def compare(tmp, precisions=("fp32", "bf16"), tunes=100, queries=5, mode="trackstar"):
     scores = {}
     for precision in precisions:
         index = tmp / f"index-{precision}"
@@ -35,7 +35,7 @@ def compare(tmp, precisions=("fp32", "bf16"), tunes=150, queries=5, mode="tracks
             BuildConfig(
                 out=str(index),
                 model=ModelConfig(model=MODEL),
-                data=DataConfig(dataset="abc-tunes", max_samples=tunes, max_length=128),
+                data=DataConfig(dataset="abc-tunes", max_samples=tunes, max_length=96),
                 runtime=RuntimeConfig(precision=precision),  # type: ignore[arg-type]
                 preconditioner="trackstar",
             )
