@@ -110,7 +110,7 @@ def runs(tmp_path_factory, tiny_model_dir) -> dict[str, Path]:
     # those two settings from config.json to label the run and shade where the latent fires
     latent = shutil.copytree(out["score"], demo / "score-latent")
     record = json.loads((latent / "config.json").read_text())
-    record["config"].update(query_sae=str(out["sae"]), latent=1)
+    record["config"].update(query_sae=str(demo / "sae"), latent=1)
     (latent / "config.json").write_text(json.dumps(record))
     out["demo"] = demo
     out["data"] = data
@@ -139,6 +139,9 @@ def test_every_kind_has_its_section_and_numbers(runs, page):
     kinds = re.findall(r'<section class="run" id="[^"]*" data-kind="([^"]*)"', text)
     assert kinds == ["demo", "build", "score", "score", "coreset", "sae train", "eval", "finetune"]
     assert "Proponents (a step on them raises the latent)" in text and "Where latent 1 fires" in text
+    # linked both ways: the score section to the latent's card, the card (pinned first) back
+    assert 'href="#sae-latent-1"' in text and 'id="sae-latent-1"' in text
+    assert 'href="#score-score-latent">attributed to training data' in text
     index = json.loads((runs["idx"] / "index.json").read_text())
     assert f'>{index["num_examples"]}</div><div class="tile-label">examples' in text
     first = _top(runs["score"])
@@ -220,7 +223,12 @@ def test_in_a_real_browser(page, tmp_path):
         assert kinds == ["demo", "build", "score", "score", "coreset", "sae train", "eval", "finetune"]
         assert browser.evaluate("document.querySelectorAll('nav.toc a').length") >= 8
         assert browser.evaluate("document.querySelectorAll('svg').length") >= 10
-        assert browser.evaluate("document.querySelectorAll('.feature').length") == 6
+        assert browser.evaluate("document.querySelectorAll('.feature').length") == 7  # 6 + the attributed one
+        card = "document.getElementById('sae-latent-1')"
+        assert (
+            browser.evaluate(f"{card}.querySelector('a.badge').getAttribute('href')") == "#score-score-latent"
+        )
+        assert browser.evaluate("document.querySelector('a[href=\"#sae-latent-1\"]') !== null")
         overlap = browser.evaluate("document.body.innerText.includes('96.2%')")
         assert overlap
         # search: a query that only the nasty ad-hoc query's card contains

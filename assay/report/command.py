@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated
 
@@ -18,6 +18,7 @@ import tyro
 from assay.core.console import note, say
 from assay.core.errors import AssayError
 from assay.report import html as h
+from assay.report.links import Links, scan
 from assay.report.runs import Run, open_run
 
 
@@ -52,15 +53,17 @@ class Options:
     features: int = 32
     feature_examples: int = 200
     device: str = "auto"
+    links: Links = field(default_factory=Links)
 
 
 def _renderer(command: str) -> Callable[[Run, Options], h.Section] | None:
     """The section view of a command's folders (imported lazily), or None for the generic one."""
     from assay.report import index_view, scores, training
 
+    if command == "score":
+        return lambda run, opts: scores.score_section(run, opts.links.card_of(run))
     simple: dict[str, Callable[[Run], h.Section]] = {
         "build": index_view.build_section,
-        "score": scores.score_section,
         "eval": training.eval_section,
         "finetune": training.finetune_section,
     }
@@ -74,7 +77,9 @@ def _renderer(command: str) -> Callable[[Run, Options], h.Section] | None:
     if command in ("sae train", "sae eval", "sae"):
         from assay.report.sae import sae_section
 
-        return lambda run, opts: sae_section(run, opts.features, opts.feature_examples, opts.device)
+        return lambda run, opts: sae_section(
+            run, opts.features, opts.feature_examples, opts.device, opts.links.for_sae(run)
+        )
     return None
 
 
@@ -119,6 +124,7 @@ def _unique_anchors(sections: list[h.Section]) -> None:
 
 def render_page(run_dirs: list[Path], title: str, opts: Options) -> str:
     runs = [open_run(p) for p in run_dirs]
+    opts.links = scan(runs)
     sections: list[h.Section] = []
     for run in runs:
         try:

@@ -131,10 +131,11 @@ def _context(
 
 def browse(
     model: Any, tokenizer: Any, sae: SaeWeights, seqs: list[np.ndarray], ids: list[int], num_latents: int,
-    device: torch.device, batch: int = 8,
+    device: torch.device, batch: int = 8, first: tuple[int, ...] = (),
 ) -> FeatureBrowser:  # fmt: skip
     """Read `seqs` (token arrays) once (twice when few low-index latents live) and assemble the
-    browser for the first `num_latents` live latents by index."""
+    browser for `first` (e.g. latents attributed elsewhere in the report), then the first
+    `num_latents` live latents by index."""
     sae.to(device)
     d = sae.d_sae
     head = min(d, 4 * num_latents)  # per-token activations kept in pass 1: latents [0, head)
@@ -149,12 +150,13 @@ def browse(
         fired += (z > 0).sum((0, 1)).double().cpu()
         n_tokens += int(mask.sum())
         peaks[group] = z.amax(1).cpu().numpy()
-        first = z[:, :, :head].cpu().numpy()
+        low = z[:, :, :head].cpu().numpy()  # [B, T, head]
         for r, i in enumerate(group):
-            kept[i] = first[r, : len(seqs[i])]
+            kept[i] = low[r, : len(seqs[i])]
     density = (fired / max(n_tokens, 1)).numpy()
-    chosen = [int(i) for i in np.flatnonzero(density > 0)[:num_latents]]
-    if chosen and chosen[-1] < head:
+    pinned = [int(i) for i in dict.fromkeys(first) if 0 <= int(i) < d]
+    chosen = pinned + [int(i) for i in np.flatnonzero(density > 0) if int(i) not in pinned][:num_latents]
+    if chosen and max(chosen) < head:
         per_example = {i: a[:, chosen] for i, a in kept.items()}  # position -> [T_i, len(chosen)]
     else:
         per_example = _second_pass(model, sae, seqs, groups, chosen, device)

@@ -17,6 +17,7 @@ from assay.report import charts
 from assay.report import html as h
 from assay.report.common import config_get, missing_note, settings_block, unfinished_note
 from assay.report.features import Feature, FeatureBrowser
+from assay.report.links import card_anchor
 from assay.report.runs import Run
 
 CURVES = (
@@ -110,7 +111,8 @@ def token_chips(pairs: list[tuple[str, float]], cls: str) -> str:
     return f'<div class="tokens">{chips}</div>'
 
 
-def feature_card(f: Feature) -> str:
+def feature_card(f: Feature, sae_run_name: str, links: dict[int, list[str]]) -> str:
+    """One latent: contexts, histogram, logit effects; `links` name score sections attributing it."""
     contexts = (
         "".join(context_html(c, f.max_act) for c in f.contexts) or "<p class='muted'>no activations</p>"
     )
@@ -118,17 +120,21 @@ def feature_card(f: Feature) -> str:
     if f.promoted:
         side += "<h4>Promotes</h4>" + token_chips(f.promoted, "up")
         side += "<h4>Suppresses</h4>" + token_chips(f.suppressed, "down")
+    attributed = "".join(
+        f' <a class="badge" href="#{h.esc(a)}">attributed to training data: {h.esc(a)}</a>'
+        for a in links.get(f.latent, [])
+    )
     head = (
         f'<div class="feature-head"><h4>Latent {f.latent}</h4><span class="muted">fires on '
-        f"{f.density:.2%} of tokens · max {f.max_act:.3f}</span></div>"
+        f"{f.density:.2%} of tokens · max {f.max_act:.3f}</span>{attributed}</div>"
     )
     return (
-        f'<div class="feature searchable" id="latent-{f.latent}">{head}'
+        f'<div class="feature searchable" id="{h.esc(card_anchor(sae_run_name, f.latent))}">{head}'
         f'<div class="feature-grid"><div>{contexts}</div><div>{side}</div></div></div>'
     )
 
 
-def browser_html(run: Run, fb: FeatureBrowser) -> str:
+def browser_html(run: Run, fb: FeatureBrowser, links: dict[int, list[str]]) -> str:
     scope = f"{h.slug(run.name)}-features"
     dens = fb.density[fb.density > 0]
     summary = h.tiles(
@@ -145,19 +151,31 @@ def browser_html(run: Run, fb: FeatureBrowser) -> str:
         )
     )
     intro = (
-        f"<p class='muted'>The first {len(fb.features)} live latents by index (an unbiased sample). "
+        f"<p class='muted'>{_which(fb, links)} "
         "Each shows its top activating held-out contexts (orange: activation, outlined: peak token; "
         "hover for values), the distribution of its nonzero activations, and the output tokens its "
         "decoder direction promotes and suppresses (W_dec·W_Uᵀ, final norm ignored).</p>"
     )
-    cards = "".join(feature_card(f) for f in fb.features)
+    cards = "".join(feature_card(f, run.name, links) for f in fb.features)
     return (
         summary + h.grid(hist) + intro + h.search_box(scope, "Search latents by token…")
         + f'<div id="{h.esc(scope)}">{cards}</div>'
     )  # fmt: skip
 
 
-def compute_browser(run: Run, num_latents: int, num_examples: int, device: str) -> FeatureBrowser:
+def _which(fb: FeatureBrowser, links: dict[int, list[str]]) -> str:
+    pinned = sum(1 for f in fb.features if f.latent in links)
+    sample = f"the first {len(fb.features) - pinned} live latents by index (an unbiased sample)."
+    return (
+        (f"The {pinned} latent(s) attributed to training data in this report, then " + sample)
+        if pinned
+        else (sample[0].upper() + sample[1:])
+    )
+
+
+def compute_browser(
+    run: Run, num_latents: int, num_examples: int, device: str, first: tuple[int, ...] = ()
+) -> FeatureBrowser:
     """Load model, tokenizer, SAE and held-out texts from the run's config; run features.browse."""
     from assay.core.config import DataConfig, ModelConfig, RuntimeConfig
     from assay.core.data import load_examples
@@ -179,11 +197,26 @@ def compute_browser(run: Run, num_latents: int, num_examples: int, device: str) 
     seqs = [examples.tokens_of(i)[:length] for i in range(len(examples))]
     keep = [i for i, s in enumerate(seqs) if len(s) > 1]
     return browse(
-        model, tokenizer, sae, [seqs[i] for i in keep], [int(examples.ids[i]) for i in keep], num_latents, dev
+        model,
+        tokenizer,
+        sae,
+        [seqs[i] for i in keep],
+        [int(examples.ids[i]) for i in keep],
+        num_latents,
+        dev,
+        first=first,
     )
 
 
-def sae_section(run: Run, num_latents: int = 32, num_examples: int = 200, device: str = "auto") -> h.Section:
+def sae_section(
+    run: Run,
+    num_latents: int = 32,
+    num_examples: int = 200,
+    device: str = "auto",
+    links: dict[int, list[str]] | None = None,
+) -> h.Section:
+    """Metrics, curves and the feature browser; `links` {latent: [score section anchors]} pins the
+    latents attributed elsewhere in the report to the top of the browser, linked both ways."""
     records = run.jsonl("metrics.jsonl")
     body = unfinished_note(run)
     metrics = final_metrics(run, records)
@@ -195,7 +228,9 @@ def sae_section(run: Run, num_latents: int = 32, num_examples: int = 200, device
     body += h.h3("Feature browser", anchor)
     if num_latents > 0:
         try:
-            body += browser_html(run, compute_browser(run, num_latents, num_examples, device))
+            links = links or {}
+            fb = compute_browser(run, num_latents, num_examples, device, tuple(links))
+            body += browser_html(run, fb, links)
         except Exception as e:  # noqa: BLE001 - the curves stay useful without the browser
             note(f"report: feature browser of {run.name} unavailable ({type(e).__name__}: {e})")
             body += h.note_box(f"Feature browser unavailable: {type(e).__name__}: {e}", "warn")

@@ -125,7 +125,8 @@ def latent_subtitle(run: Run) -> str | None:
     return f"query: SAE latent {latent} of {sae} — which training examples most increase this feature?"
 
 
-def score_section(run: Run) -> h.Section:
+def score_section(run: Run, latent_card: str | None = None) -> h.Section:
+    """Queries with their proponents and opponents; `latent_card` links a latent query to its card."""
     summary = run.json("summary.json") or {}
     records = run.jsonl("top.jsonl")
     body = unfinished_note(run)
@@ -150,6 +151,8 @@ def score_section(run: Run) -> h.Section:
     labels = ("Proponents (a step on them lowers the query's loss)", "Opponents (a step on them raises it)")
     if latent:
         body += h.note_box(latent + " Proponents are the examples whose training step raises the latent.")
+        if latent_card:
+            body += f'<p><a href="#{h.esc(latent_card)}">See this latent in the feature browser →</a></p>'
         labels = ("Proponents (a step on them raises the latent)", "Opponents (a step on them suppresses it)")
     scope = f"{h.slug(run.name)}-queries"
     shown = records[:MAX_QUERIES]
