@@ -18,6 +18,7 @@ from assay.core.precision import PrecisionPolicy
 from tests.test_collector import random_examples, tiny_llama
 
 BF16_MIN_COSINE = 0.99
+BF16 = PrecisionPolicy.resolve("bf16", "cpu")
 
 
 def _cosines(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -96,3 +97,17 @@ def test_non_finite_is_a_clear_error():
 
     with pytest.raises(AssayError, match="fp16 overflowed"):
         _collect(model, "fp16", broken)
+
+
+def test_projection_in_compute_dtype_agrees_with_fp32_projection():
+    model = tiny_llama(15)
+    examples = random_examples([12, 30, 7, 21], seed=11)
+    batch = collate(examples, np.arange(4), pad_id=0)
+    rows = {}
+    for lowp in (False, True):
+        with GradientCollector(
+            model, linear_modules(model), Projector(8), BF16, project_in_compute_dtype=lowp
+        ) as c:
+            rows[lowp] = c.gradients(batch, example_losses)[0]
+    assert rows[True].dtype == torch.float32 and not torch.equal(rows[True], rows[False])
+    assert float(_cosines(rows[True], rows[False]).min()) >= 0.999

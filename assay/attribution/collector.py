@@ -103,8 +103,13 @@ class GradientCollector:
         projector: Projector,
         policy: PrecisionPolicy,
         normalizer: Any = None,
+        project_in_compute_dtype: bool = False,
     ):
         self.model, self.modules, self.projector, self.policy = model, modules, projector, policy
+        # False: cast a and g to fp32, then project (default; see docs/index-format.md).
+        # True: project bf16/fp16 tensors as they are (fp32 accumulation inside the GEMM, the
+        # p-wide result rounded once to the compute dtype, then fp32): no full-width casts.
+        self.project_in_compute_dtype = project_in_compute_dtype
         self.normalizer = normalizer
         self.slots = layout(modules, projector.dim)
         self.dim = self.slots[-1].stop
@@ -163,11 +168,18 @@ class GradientCollector:
     # --- hooks ------------------------------------------------------------------------------
     def _side(self, slot: ModuleSlot, side: str, x: torch.Tensor) -> torch.Tensor:
         """[B, ..., f] -> [B, T, p] (or [B, T, f] raw), fp32."""
-        x = x.reshape(x.shape[0], -1, x.shape[-1]).to(STATS_DTYPE)  # explicit cast: never promotion
+        x = x.reshape(x.shape[0], -1, x.shape[-1])
         mat = self._mats[(slot.name, side)]
-        if mat is None:
-            return x
-        return x * mat if mat.dim() == 1 else F.linear(x, mat)
+        if mat is not None and mat.dim() == 2:
+            return self._project(x, mat)
+        x = x.to(STATS_DTYPE)  # explicit cast: never promotion
+        return x if mat is None else x * mat
+
+    def _project(self, x: torch.Tensor, mat: torch.Tensor) -> torch.Tensor:
+        """[B, T, f] @ [k, f]ᵀ -> [B, T, k] fp32."""
+        if self.project_in_compute_dtype and x.dtype != STATS_DTYPE:
+            return F.linear(x, mat.to(x.dtype)).to(STATS_DTYPE)
+        return F.linear(x.to(STATS_DTYPE), mat)
 
     def _masked(self, x: torch.Tensor) -> torch.Tensor:
         """Zero padded tokens of [B, T, k]. Masking g alone makes g_t a_tᵀ exactly 0 there."""
@@ -214,8 +226,8 @@ class GradientCollector:
             key = tuple(slot.name for slot, _ in members)
             if key not in self._group_mats:
                 self._group_mats[key] = torch.cat([self._mats[(n, "in")] for n in key])  # type: ignore[misc]
-            x = x.reshape(x.shape[0], -1, x.shape[-1]).to(STATS_DTYPE)
-            parts = F.linear(x, self._group_mats[key]).split(self.projector.dim, dim=-1)
+            x = x.reshape(x.shape[0], -1, x.shape[-1])
+            parts = self._project(x, self._group_mats[key]).split(self.projector.dim, dim=-1)
             for (slot, call), part in zip(members, parts):
                 self._saved[slot.name][call] = part  # [B, T, p]
 

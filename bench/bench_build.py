@@ -1,0 +1,214 @@
+"""Benchmark `assay build` against its two yardsticks, side by side in one run.
+
+1. The floor: a plain forward+backward with parameter gradients (a training step minus the
+   optimizer) over the very same batches at the same precision.
+2. The peer: bergson 2.5.1's `build` on the same model folder, tunes, projection and token
+   batch (from a separate venv, `--peer_python`), whole process.
+
+For each precision it reports the collection loop's tokens/s next to the floor's (medians of
+alternating, warmed-up runs), the whole-process wall time and peak memory (max RSS) of
+`assay build` and of `bergson build`, and per-example cosine of bf16 rows against fp32 rows.
+
+    .venv/bin/python bench/bench_build.py --model smollm2-135m --tokens 6000 --repeats 3 \
+        --peer_python .venv-peers/bin/python
+
+Tokens are the real (non-padding) tokens of the batches; both sides see identical batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from assay.attribution.build import GradientSetup, iter_gradients
+from assay.attribution.collector import linear_modules
+from assay.attribution.projection import Projector
+from assay.core.config import DataConfig, ModelConfig
+from assay.core.data import collate, load_examples, token_batches
+from assay.core.lm import example_losses
+from assay.core.models import load_model, load_tokenizer, resolve_model_path
+from assay.core.precision import PrecisionPolicy
+
+
+def pick_tunes(tokenizer, target_tokens: int, max_length: int, folder: Path) -> tuple[Path, int]:
+    """The first ABC tunes (train split) that fit `max_length`, until `target_tokens`; as jsonl."""
+    _, examples = load_examples(DataConfig(dataset="abc-tunes", max_length=10**6), tokenizer)
+    from assay.core.data import load_table
+
+    table = load_table(DataConfig(dataset="abc-tunes"))
+    chosen, total = [], 0
+    for i in range(len(examples)):
+        n = int(examples.lengths[i])
+        if n > max_length:
+            continue
+        chosen.append(table[int(i)]["text"])
+        total += n
+        if total >= target_tokens:
+            break
+    path = folder / "tunes.jsonl"
+    with open(path, "w") as f:
+        for text in chosen:
+            f.write(json.dumps({"text": text}) + "\n")
+    return path, len(chosen)
+
+
+def floor_pass(model, batches, policy) -> None:
+    """A training step without the optimizer: loss, backward into every parameter's .grad."""
+    for batch in batches:
+        with policy.autocast():
+            loss = example_losses(model, batch).sum()
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+
+def collect_pass(setup, examples, positions_list) -> np.ndarray:
+    rows = np.zeros((len(examples), setup.collector().dim), dtype=np.float32)
+    for positions, grads, _, _ in iter_gradients(setup, examples, positions_list):
+        rows[positions] = grads.numpy()
+    return rows
+
+
+def loop_benchmark(model_name: str, data: Path, precision: str, tbs: int, repeats: int, p: int) -> dict:
+    """Alternate floor and collector passes over the same batches; medians of tokens/s."""
+    policy = PrecisionPolicy.resolve(precision, "cpu")
+    tokenizer = load_tokenizer(ModelConfig(model=model_name))
+    model = load_model(ModelConfig(model=model_name), policy)
+    _, examples = load_examples(DataConfig(dataset=str(data)), tokenizer)
+    positions_list = token_batches(examples, tbs)
+    batches = [collate(examples, pos, tokenizer.pad_token_id) for pos in positions_list]
+    tokens = int(sum(int(b["attention_mask"].sum()) for b in batches))
+    setup = GradientSetup(
+        model, tokenizer, policy, linear_modules(model), Projector(p), None, tokenizer.pad_token_id
+    )
+    floor_pass(model, batches, policy)  # warm-up: every shape once, both paths
+    rows = collect_pass(setup, examples, positions_list)
+    floor_s, ours_s = [], []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        floor_pass(model, batches, policy)
+        floor_s.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        rows = collect_pass(setup, examples, positions_list)
+        ours_s.append(time.perf_counter() - t)
+    f, o = statistics.median(floor_s), statistics.median(ours_s)
+    return {
+        "precision": precision,
+        "tokens": tokens,
+        "batches": len(batches),
+        "floor_tok_s": tokens / f,
+        "ours_tok_s": tokens / o,
+        "ours_over_floor_time": o / f,
+        "floor_runs_s": floor_s,
+        "ours_runs_s": ours_s,
+        "rows": rows,
+    }
+
+
+def timed(cmd: list[str], env: dict | None = None) -> dict:
+    """Whole-process wall time (s) and peak RSS (GB) through /usr/bin/time."""
+    full = ["/usr/bin/time", "-f", "TIME %e %M", *cmd]
+    res = subprocess.run(full, capture_output=True, text=True, env=env)
+    if res.returncode != 0:
+        print(f"{' '.join(cmd)} failed:\n{res.stderr[-3000:]}", file=sys.stderr)
+        return {"error": res.stderr.strip().splitlines()[-1] if res.stderr.strip() else "failed"}
+    line = [ln for ln in res.stderr.splitlines() if ln.startswith("TIME ")][-1]
+    wall, rss_kb = line.split()[1:]
+    return {"wall_s": float(wall), "peak_gb": int(rss_kb) / 1024**2}
+
+
+def process_benchmark(args, data: Path, precision: str, work: Path) -> dict:
+    """Alternating whole-process runs of `assay build` and (optionally) `bergson build`."""
+    model_dir = resolve_model_path(args.model)
+    ours_cmd = [
+        sys.executable,
+        "-m",
+        "assay",
+        "build",
+        str(work / f"ours-{precision}"),
+        "--model",
+        args.model,
+    ]
+    ours_cmd += ["--dataset", str(data), "--precision", precision, "--projection_dim", str(args.p)]
+    ours_cmd += ["--token_batch_size", str(args.token_batch_size), "--overwrite", "--threads", "0"]
+    peer_cmd = [
+        args.peer_python,
+        "-m",
+        "bergson",
+        "build",
+        str(work / f"peer-{precision}"),
+        "--model",
+        model_dir,
+    ]
+    peer_cmd += ["--dataset", str(data), "--truncation", "--token_batch_size", str(args.token_batch_size)]
+    peer_cmd += ["--projection_dim", str(args.p), "--overwrite", "--precision", _peer_precision(precision)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    out: dict = {"ours": [], "peer": []}
+    # the loop benchmark already warmed the tokenization cache and the page cache
+    for _ in range(args.process_repeats):
+        out["ours"].append(timed(ours_cmd))
+        if args.peer_python:
+            out["peer"].append(timed(peer_cmd, env))
+    return out
+
+
+def _peer_precision(precision: str) -> str:
+    return "bf16" if precision.startswith("bf16") else precision  # bergson's bf16 = weights in bf16
+
+
+def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1) + 1e-30)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="assay-tiny")
+    ap.add_argument("--tokens", type=int, default=6000, help="ABC-tune tokens to collect")
+    ap.add_argument("--max_length", type=int, default=512, help="skip tunes longer than this")
+    ap.add_argument("--precisions", nargs="+", default=["fp32", "bf16"])
+    ap.add_argument("--token_batch_size", type=int, default=2048)
+    ap.add_argument("--p", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--process_repeats", type=int, default=2)
+    ap.add_argument("--peer_python", default="", help="python of a venv with bergson 2.5.1")
+    ap.add_argument("--no_process", action="store_true", help="skip whole-process runs")
+    ap.add_argument("--out", default="", help="write the results as JSON here")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        data, n = pick_tunes(
+            load_tokenizer(ModelConfig(model=args.model)), args.tokens, args.max_length, work
+        )
+        print(f"model {args.model}: {n} ABC tunes, threads {torch.get_num_threads()}", flush=True)
+        results = {"model": args.model, "tunes": n, "threads": torch.get_num_threads(), "runs": []}
+        rows = {}
+        for precision in args.precisions:
+            loop = loop_benchmark(args.model, data, precision, args.token_batch_size, args.repeats, args.p)
+            rows[precision] = loop.pop("rows")
+            print(json.dumps(loop), flush=True)
+            if not args.no_process:
+                loop["process"] = process_benchmark(args, data, precision, work)
+                print(json.dumps(loop["process"]), flush=True)
+            results["runs"].append(loop)
+        if "fp32" in rows:
+            for precision, r in rows.items():
+                if precision != "fp32":
+                    c = cosines(r, rows["fp32"])
+                    q = np.quantile(c, [0, 0.05, 0.5])
+                    results[f"cosine_{precision}_vs_fp32"] = {"min": q[0], "p5": q[1], "median": q[2]}
+                    print(f"cosine {precision} vs fp32: min {q[0]:.4f} p5 {q[1]:.4f} median {q[2]:.4f}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2, default=float) + "\n")
+
+
+if __name__ == "__main__":
+    main()
