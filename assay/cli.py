@@ -164,12 +164,40 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             cfg, run = parse(name, rest)
             run(cfg)
+        _finish_distributed()
     except AssayError as e:
         if debug:
             traceback.print_exc()
-        print(f"assay {name}: error: {e}", file=sys.stderr)
+        _fail(f"assay {name}: error{_rank_label()}: {e}")
         return 2
     except KeyboardInterrupt:
         print(f"assay {name}: interrupted; rerun the same command to resume", file=sys.stderr)
         return 130
     return 0
+
+
+def _rank_label() -> str:
+    """" (rank R of W)" under torchrun, so a failing rank is named; "" in one process."""
+    import os
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return f" (rank {os.environ.get('RANK', '0')} of {world})" if world > 1 else ""
+
+
+def _fail(message: str) -> None:
+    """Print the error; under torchrun, leave at once with status 2 so torchrun stops the
+    other ranks (they may be waiting in a collective that this rank will never join)."""
+    print(message, file=sys.stderr, flush=True)
+    if _rank_label():
+        import os
+
+        sys.stdout.flush()
+        os._exit(2)  # not destroy_process_group(): with peers inside a collective it can block
+
+
+def _finish_distributed() -> None:
+    """Leave the process group cleanly after a successful distributed run."""
+    if _rank_label():
+        from assay.core.distributed import abort_process_group
+
+        abort_process_group()

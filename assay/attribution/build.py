@@ -32,6 +32,7 @@ from assay.attribution.projection import Projector
 from assay.core.config import DataConfig, ModelConfig, RuntimeConfig
 from assay.core.console import note, say
 from assay.core.data import Examples, collate, load_examples, token_batches, tokenizer_fingerprint
+from assay.core.distributed import Distributed
 from assay.core.errors import AssayError
 from assay.core.lm import example_losses
 from assay.core.models import load_model, load_tokenizer, model_fingerprint, setup_runtime
@@ -168,15 +169,18 @@ def run_build(cfg: BuildConfig) -> dict[str, Any]:
         _, examples = load_examples(cfg.data, tokenizer)
         model = load_model(cfg.model, policy, cfg.runtime.attention)
         modules = linear_modules(model, cfg.modules)
-        normalizer = _normalizer(cfg, run.path, model, modules, examples, policy, tokenizer.pad_token_id)
+        dist = Distributed.current()
+        with dist.main_first():  # rank 0 estimates and saves it; the others then load that file
+            normalizer = _normalizer(cfg, run.path, model, modules, examples, policy, tokenizer.pad_token_id)
         projector = Projector(cfg.projection_dim, cfg.projection_seed)
         setup = GradientSetup(
             model, tokenizer, policy, modules, projector, normalizer, tokenizer.pad_token_id
         )
         col = setup.collector()
         meta = _metadata(cfg, setup, col, examples, tokenizer)
-        write_json(run.path / ix.META_FILE, meta)
-        np.save(run.path / ix.IDS_FILE, examples.ids.astype(np.int64))
+        if dist.is_main:
+            write_json(run.path / ix.META_FILE, meta)
+            np.save(run.path / ix.IDS_FILE, examples.ids.astype(np.int64))
         summary = write_rows(setup, examples, run.path, cfg)
         if cfg.preconditioner == "trackstar":
             save_preconditioner_stats(run.path, meta, cfg.stats_samples, cfg.runtime.seed)
@@ -262,15 +266,21 @@ def _open_arrays(folder: Path, n: int, dim: int, store_dtype: str) -> tuple[list
 def write_rows(setup: GradientSetup, examples: Examples, folder: Path, cfg: BuildConfig) -> dict[str, Any]:
     """Stream every example's gradient row to disk, batch by batch, resumably."""
     dim = setup.collector().dim
-    (grads_out, losses_out, tokens_out), fresh = _open_arrays(folder, len(examples), dim, cfg.store_dtype)
-    batches = token_batches(examples, cfg.token_batch_size)
-    progress = folder / PROGRESS_FILE
+    dist = Distributed.current()
+    with dist.main_first():  # rank 0 creates (or checks) the memmaps; the others open them
+        (grads_out, losses_out, tokens_out), fresh = _open_arrays(folder, len(examples), dim, cfg.store_dtype)
+    fresh = bool(dist.broadcast_object(fresh))
+    # Each rank takes every world-th batch (length-sorted, so shares are balanced) and writes
+    # its own rows; no collective runs inside the loop, so share sizes may differ by one.
+    batches = dist.interleave(token_batches(examples, cfg.token_batch_size))
+    progress = folder / dist.rank_file(PROGRESS_FILE)
     done = int(read_json(progress)["batches_done"]) if progress.exists() and not fresh else 0
     if done:
         note(f"resuming: {done} of {len(batches)} batches already done")
     loss_tokens = examples.num_loss_tokens()
     initial = int(sum(len(b) for b in batches[:done]))
-    with Progress(len(examples), "build", initial=initial) as bar:
+    total = int(sum(len(b) for b in batches))
+    with Progress(total, "build", enabled=dist.is_main, initial=initial) as bar:
         todo = batches[done:]
         for k, (positions, grads, losses, batch) in enumerate(
             iter_gradients(setup, examples, todo), done + 1
@@ -283,7 +293,9 @@ def write_rows(setup: GradientSetup, examples: Examples, folder: Path, cfg: Buil
             write_json(progress, {"batches_done": k, "num_batches": len(batches)})
             bar.update(len(positions), int(batch["attention_mask"].sum()))
         elapsed = max(time.perf_counter() - bar.start, 1e-9)
-        return {"tokens_per_s": bar.tokens / elapsed, "seconds": elapsed, "resumed_batches": done}
+    tokens, resumed = dist.sum_scalars(bar.tokens, done)
+    elapsed = max(dist.gather(elapsed))  # the job's wall time is the slowest rank's
+    return {"tokens_per_s": tokens / elapsed, "seconds": elapsed, "resumed_batches": int(resumed)}
 
 
 def _to_store(grads: torch.Tensor, store_dtype: str) -> np.ndarray:
@@ -308,14 +320,20 @@ def save_preconditioner_stats(folder: Path, meta: dict[str, Any], samples: int, 
         raise AssayError(
             f"module {too_big[0]} has too many columns for a preconditioner; use --projection_dim"
         )
+    dist = Distributed.current()
+    dist.barrier()  # every rank's rows are on disk
     grads = np.load(folder / ix.GRADIENTS_FILE, mmap_mode="r")
     rows = sample_positions(grads.shape[0], samples, seed)
     sums = {m["name"]: torch.zeros(m["stop"] - m["start"], m["stop"] - m["start"]) for m in meta["modules"]}
     with full_precision("cpu"):
-        for i in range(0, len(rows), 1024):
+        for i in dist.interleave(range(0, len(rows), 1024)):  # each rank sums its chunks
             chunk = torch.from_numpy(np.asarray(grads[rows[i : i + 1024]], dtype=np.float32))  # [n, D]
             for m in meta["modules"]:
                 x = chunk[:, m["start"] : m["stop"]].to(STATS_DTYPE)
                 sums[m["name"]] += x.T @ x
+    for total in sums.values():
+        dist.all_reduce_(total)  # fp32 sums over ranks
+    if not dist.is_main:
+        return
     sums["__count__"] = torch.tensor(float(len(rows)), dtype=STATS_DTYPE)
     save_file(sums, str(folder / ix.PRECONDITIONER_FILE))

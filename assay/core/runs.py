@@ -145,10 +145,29 @@ class RunFolder:
 
 @contextmanager
 def run_folder(out: Path | str, command: str, cfg: Any, overwrite: bool = False) -> Iterator[RunFolder]:
-    """Open a run folder; commit it when the block finishes, keep `.part` if it fails."""
-    run = RunFolder(out, command, cfg, overwrite).open()
+    """Open a run folder; commit it when the block finishes, keep `.part` if it fails.
+
+    Under torchrun, rank 0 opens and commits the folder; every rank raises the same error if
+    it cannot be opened, and inside the block each rank writes only its own files or rows.
+    """
+    from assay.core.distributed import Distributed
+
+    dist = Distributed.current()
+    run, error = RunFolder(out, command, cfg, overwrite), None
+    if dist.is_main:
+        try:
+            run.open()
+        except AssayError as e:
+            error = str(e)
+    error = dist.agree(error)
+    if error:
+        raise AssayError(error)
+    run.resumed = bool(dist.broadcast_object(run.resumed))
     yield run
-    run.commit()
+    dist.barrier()  # every rank's rows are on disk before rank 0 renames the folder
+    if dist.is_main:
+        run.commit()
+    dist.barrier()
 
 
 def load_run_config(run_dir: Path | str) -> dict[str, Any]:

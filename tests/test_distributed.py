@@ -1,0 +1,163 @@
+"""torchrun with 2 CPU processes (gloo) equals 1 process: build, finetune, SAE step; errors.
+
+Each distributed case launches `python -m torch.distributed.run --nproc_per_node 2 ...` as a
+subprocess (the same launcher users run) and compares with an in-process single-process run.
+Run as a script (`torchrun ... tests/test_distributed.py MODE ARGS`), this file is also the
+worker for the cases that need code inside the ranks (the SAE step, a failing rank).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from assay.core.distributed import Distributed
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def torchrun(*args: str, nproc: int = 2, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Launch `args` under torchrun on this machine (gloo, one thread per rank)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env.pop("WORLD_SIZE", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
+    cmd += ["--master_addr=127.0.0.1", f"--master_port={_free_port()}", *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def _ok(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+@pytest.fixture(scope="module")
+def many_jsonl(tmp_path_factory) -> Path:
+    """13 texts of varied length: an odd count, so ranks get uneven shares of batches."""
+    rng = np.random.default_rng(0)
+    words = "the king queen folk tune jig reel air of to and a in my love".split()
+    path = tmp_path_factory.mktemp("data") / "many.jsonl"
+    with open(path, "w") as f:
+        for _ in range(13):
+            f.write(json.dumps({"text": " ".join(rng.choice(words, rng.integers(3, 30)))}) + "\n")
+    return path
+
+
+# ---- the helper in one process ---------------------------------------------------------------
+def test_single_process_helper_is_a_no_op():
+    dist = Distributed()
+    t = torch.ones(3, dtype=torch.bfloat16)
+    assert dist.all_reduce_(t) is t and dist.sum_scalars(1, 2.5) == [1.0, 2.5]
+    assert dist.shard([1, 2, 3]) == [1, 2, 3] and dist.interleave([1, 2, 3]) == [1, 2, 3]
+    assert dist.rank_file("progress.json") == "progress.json" and dist.gather(7) == [7]
+    assert dist.agree(None) is None and dist.agree("boom") == "boom"
+
+
+def test_shares_are_equal_length_and_cover_everything():
+    items = list(range(7))
+    shards = [Distributed(rank=r, world_size=3).shard(items) for r in range(3)]
+    assert [len(s) for s in shards] == [3, 3, 3]  # padded: every rank takes 3 steps
+    assert [x for s in shards for x in s if x is not None] == items
+    parts = [Distributed(rank=r, world_size=3).interleave(items) for r in range(3)]
+    assert sorted(x for p in parts for x in p) == items
+    assert Distributed(rank=1, world_size=2).rank_file("progress.json") == "progress.rank1-of-2.json"
+
+
+# ---- build -----------------------------------------------------------------------------------
+BUILD_FLAGS = [
+    "--precision", "fp32", "--projection_dim", "4", "--token_batch_size", "48",
+    "--normalizer", "adafactor", "--normalizer_samples", "8", "--preconditioner", "trackstar",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory, tiny_model_dir, many_jsonl) -> tuple[Path, Path]:
+    """(1-process index, 2-process index) of the same data and flags."""
+    from assay.cli import main
+
+    folder = tmp_path_factory.mktemp("build")
+    args = ["--model", str(tiny_model_dir), "--dataset", str(many_jsonl), *BUILD_FLAGS]
+    assert main(["build", str(folder / "one"), *args]) == 0
+    _ok(torchrun("-m", "assay", "build", str(folder / "two"), *args))
+    return folder / "one", folder / "two"
+
+
+def test_build_two_processes_equal_one(built):
+    import assay
+
+    one, two = (assay.open_index(p) for p in built)
+    assert one.meta["num_examples"] == 13 and one.meta["dim"] == two.meta["dim"]
+    np.testing.assert_array_equal(one.ids, two.ids)
+    np.testing.assert_array_equal(one.token_counts, two.token_counts)
+    assert not np.any(np.all(np.asarray(two.gradients) == 0, axis=1))  # every row was written
+    np.testing.assert_allclose(two.gradients, one.gradients, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(two.losses, one.losses, rtol=1e-6, atol=1e-6)
+    for key, value in one.normalizer_tensors().items():
+        torch.testing.assert_close(two.normalizer_tensors()[key], value, rtol=0, atol=0)
+    (s1, c1), (s2, c2) = one.preconditioner_stats(), two.preconditioner_stats()
+    assert c1 == c2 == 13
+    for name in s1:
+        torch.testing.assert_close(s2[name], s1[name], rtol=1e-5, atol=1e-6)
+
+
+def test_build_run_folder_holds_each_ranks_progress(built):
+    _, two = built
+    names = {p.name for p in two.iterdir()}
+    assert {"progress.rank0-of-2.json", "progress.rank1-of-2.json", "run.json"} <= names
+    done = [json.loads((two / f"progress.rank{r}-of-2.json").read_text()) for r in (0, 1)]
+    assert sum(d["num_batches"] for d in done) >= 3 and all(
+        d["batches_done"] == d["num_batches"] for d in done
+    )
+
+
+# ---- errors ----------------------------------------------------------------------------------
+def test_a_failing_rank_stops_the_job_with_its_message(tmp_path):
+    started = time.perf_counter()
+    proc = torchrun(__file__, "fail", str(tmp_path), timeout=120)
+    assert proc.returncode != 0
+    assert "error (rank 1 of 2): rank 1 cannot read its shard" in proc.stderr
+    assert time.perf_counter() - started < 100  # rank 0 did not wait forever in its barrier
+
+
+def test_every_rank_reports_a_refused_output_folder(built, tiny_model_dir, many_jsonl):
+    one, _ = built
+    proc = torchrun(
+        "-m", "assay", "build", str(one), "--model", str(tiny_model_dir), "--dataset", str(many_jsonl)
+    )
+    assert proc.returncode != 0 and "already holds a finished run" in proc.stderr
+    assert "(rank 0 of 2)" in proc.stderr
+
+
+# ---- workers (run inside torchrun) -------------------------------------------------------------
+def _worker_fail(folder: str) -> int:
+    """Rank 1 raises an AssayError while rank 0 waits in a barrier: the job must end."""
+    from assay import cli
+    from assay.core.errors import AssayError
+
+    def run(cfg: object) -> None:
+        dist = Distributed.current()
+        if dist.rank == 1:
+            raise AssayError("rank 1 cannot read its shard")
+        dist.barrier()
+
+    cli.COMMANDS["eval"] = cli.Command("assay.training.evaluate:EvalConfig", "x:y", "")
+    cli.parse = lambda name, rest: (None, run)  # type: ignore[assignment]
+    return cli.main(["eval"])
+
+
+if __name__ == "__main__":
+    mode, *rest = sys.argv[1:]
+    sys.exit({"fail": _worker_fail}[mode](*rest))
