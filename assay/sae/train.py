@@ -291,9 +291,9 @@ def train_sae(cfg: SaeTrainConfig) -> dict[str, Any]:
     from assay.sae.evaluate import splice_metrics
 
     device, policy = setup_runtime(cfg.runtime)
-    model, source, eval_contexts = build_data(cfg, policy)
-    d_sae = cfg.sae.d_sae or cfg.sae.expansion_factor * source.d_in
-    with run_folder(cfg.out, "sae train", cfg, cfg.overwrite) as run:
+    with run_folder(cfg.out, "sae train", cfg, cfg.overwrite) as run:  # refuses a clash before any work
+        model, source, eval_contexts = build_data(cfg, policy)
+        d_sae = cfg.sae.d_sae or cfg.sae.expansion_factor * source.d_in
         sae = SparseAutoencoder(source.d_in, d_sae, cfg.sae).to(device)
         if cfg.compile:
             sae._dense_forward = torch.compile(sae._dense_forward)  # type: ignore[method-assign]
@@ -375,23 +375,30 @@ def run_sae_train(cfg: SaeTrainConfig) -> dict[str, Any]:
 
 
 def demo_sae(
-    out: str, model: str = "assay-tiny", precision: str = "auto", overwrite: bool = False
+    out: str,
+    model: str = "assay-tiny",
+    precision: str = "auto",
+    training_tokens: int = 81_920,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     """The README's main-job step: a small TopK SAE on assay-tiny over the bundled general text.
 
-    16x expansion at block 2's output, k=32, 1M tokens; prints and returns its metrics.
+    16x expansion at block 2's output, k=32, 80 steps of 1,024 tokens, splice metrics on 8
+    held-out contexts; prints and returns the summary. `precision="auto"` picks bf16 autocast
+    where the CPU has AMX/AVX512-BF16.
     """
     from assay.core.config import DataConfig, ModelConfig, RuntimeConfig
-    from assay.core.precision import PrecisionPolicy as _P
 
-    resolved = _P.resolve(precision).name
+    resolved = PrecisionPolicy.resolve(precision).name
     cfg = SaeTrainConfig(
         out=out,
         model=ModelConfig(model=model),
         data=DataConfig("shakespeare"),
         runtime=RuntimeConfig(precision="bf16" if resolved.startswith("bf16") else "fp32"),
-        training_tokens=1_000_000,
-        eval_contexts=32,
+        training_tokens=training_tokens,
+        batch_tokens=1024,
+        lr_warmup_steps=5,
+        eval_contexts=8,
         overwrite=overwrite,
     )
     return run_sae_train(cfg)
