@@ -246,8 +246,8 @@ td.num,th.num{text-align:right;font-variant-numeric:tabular-nums;white-space:now
 tr.best td{background:#ecfdf5;font-weight:600}
 table.stages td:first-child{white-space:nowrap}
 table.kv{width:auto}table.kv th{font-weight:500;color:var(--muted);padding-right:18px}
-.grid{display:grid;grid-template-columns:repeat(auto-fill,minmax(460px,1fr));gap:14px;align-items:start}
-.grid figure.chart{max-width:none}.feature figure.chart{max-width:none;border:none;padding:0}
+.grid{display:grid;grid-template-columns:repeat(auto-fill,minmax(400px,1fr));gap:14px;align-items:start}
+.grid figure.chart{max-width:760px}.feature figure.chart{max-width:none;border:none;padding:0}
 figure.chart{max-width:760px;margin:8px 0;background:#fff;border:1px solid var(--line);
 border-radius:10px;padding:6px}
 figure.chart svg{width:100%;height:auto;display:block}
