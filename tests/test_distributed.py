@@ -123,6 +123,36 @@ def test_build_run_folder_holds_each_ranks_progress(built):
     )
 
 
+# ---- finetune --------------------------------------------------------------------------------
+def _metrics(folder: Path) -> list[dict]:
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_finetune_two_processes_follow_the_one_process_loss_curve(tmp_path, tiny_model_dir, many_jsonl):
+    """Effective batch 4 = 2 ranks x 1 micro x 2 accumulation; the 4th step has 1 example, so
+    rank 1 has nothing to do in it and must still join the gradient reduction."""
+    from safetensors.torch import load_file
+
+    from assay.cli import main
+
+    args = ["--model", str(tiny_model_dir), "--dataset", str(many_jsonl), "--precision", "fp32"]
+    args += ["--effective_batch_size", "4", "--micro_batch_size", "1", "--learning_rate", "1e-3"]
+    args += ["--eval_split", "", "--log_every", "1", "--save_every", "2", "--attention", "eager"]
+    assert main(["finetune", str(tmp_path / "one"), *args]) == 0
+    _ok(torchrun("-m", "assay", "finetune", str(tmp_path / "two"), *args))
+    one, two = _metrics(tmp_path / "one"), _metrics(tmp_path / "two")
+    assert len(one) == len(two) == 6  # step 0, steps 1-4, final
+    for a, b in zip(one[1:5], two[1:5], strict=True):
+        assert a["step"] == b["step"]
+        assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-5, abs=1e-6)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4, abs=1e-6)
+    assert two[-1]["train_loss"] == pytest.approx(one[-1]["train_loss"], rel=1e-5)
+    w1, w2 = (load_file(str(tmp_path / r / "model" / "model.safetensors")) for r in ("one", "two"))
+    for name, value in w1.items():
+        torch.testing.assert_close(w2[name], value, rtol=1e-4, atol=1e-5)
+    assert not (tmp_path / "two" / "checkpoint").exists()
+
+
 # ---- errors ----------------------------------------------------------------------------------
 def test_a_failing_rank_stops_the_job_with_its_message(tmp_path):
     started = time.perf_counter()

@@ -26,6 +26,7 @@ import tyro
 from assay.core.config import DataConfig, ModelConfig, RuntimeConfig
 from assay.core.console import note, say
 from assay.core.data import Examples, collate, load_examples
+from assay.core.distributed import Distributed
 from assay.core.errors import AssayError
 from assay.core.lm import evaluate_losses, example_losses
 from assay.core.models import load_model, load_tokenizer, setup_runtime
@@ -180,7 +181,12 @@ def train_step(
     so the accumulated gradient is the token-mean gradient of the effective batch.
     """
     positions = positions[np.argsort(-examples.lengths[positions], kind="stable")]  # less padding
-    loss_tokens = int(examples.num_loss_tokens()[positions].sum())
+    loss_tokens = int(examples.num_loss_tokens()[positions].sum())  # of the whole effective batch
+    # Data-parallel: each rank takes every world-th example (balanced lengths), so accumulation
+    # steps per rank = effective / (micro x world); summing the ranks' gradients gives exactly
+    # the one-process gradient (each micro-batch already divides by the global token count).
+    dist = Distributed.current()
+    positions = dist.interleave_array(positions)
     total, real = 0.0, 0
     for start in range(0, len(positions), micro_batch_size):
         batch = collate(examples, positions[start : start + micro_batch_size], pad_id, policy.device)
@@ -191,7 +197,9 @@ def train_step(
         (scaler.scale(loss) if scaler is not None else loss).backward()
         total += float(losses.detach().sum())
         real += int(batch["attention_mask"].sum())
-    return total, loss_tokens, real
+    dist.all_reduce_grads_(p for p in model.parameters() if p.requires_grad)  # fp32 sum, as DDP
+    total, real_sum = dist.sum_scalars(total, real)
+    return total, loss_tokens, int(real_sum)
 
 
 def optimizer_update(
@@ -219,6 +227,12 @@ def mean_loss(
 ) -> float:
     """Token-weighted mean loss (nats/token), with the model in eval mode."""
     model.eval()
+    dist = Distributed.current()
+    if dist.active:  # each rank evaluates its share; the loss sums are added up (fp64)
+        mine = examples.subset(dist.interleave_array(np.arange(len(examples))))
+        part = float(evaluate_losses(model, mine, policy, pad_id, tbs, desc="eval").sum()) if len(mine) else 0
+        model.train()
+        return dist.sum_scalars(part)[0] / max(int(examples.num_loss_tokens().sum()), 1)
     losses = evaluate_losses(model, examples, policy, pad_id, tbs, desc="eval")
     model.train()
     return float(losses.sum() / max(int(examples.num_loss_tokens().sum()), 1))
@@ -231,15 +245,18 @@ class MetricsLog:
         import json
 
         self.path, self._json = path, json
+        self.enabled = Distributed.current().is_main  # under torchrun, rank 0 writes it
         lines = path.read_text().splitlines() if path.exists() else []
         if keep_lines is not None:
             lines = lines[:keep_lines]
-        path.write_text("".join(line + "\n" for line in lines))
+        if self.enabled:
+            path.write_text("".join(line + "\n" for line in lines))
         self.lines = len(lines)
 
     def write(self, record: dict[str, Any]) -> None:
-        with open(self.path, "a") as f:
-            f.write(self._json.dumps(record) + "\n")
+        if self.enabled:
+            with open(self.path, "a") as f:
+                f.write(self._json.dumps(record) + "\n")
         self.lines += 1
 
 
@@ -298,7 +315,7 @@ class Trainer:
         window = np.zeros(4)  # summed loss, loss tokens, real tokens, seconds since the last log line
         n_examples = sum(len(ids) for _, ids in self.steps)
         done = sum(len(ids) for _, ids in self.steps[:start])
-        with Progress(n_examples, "finetune", initial=done) as bar:
+        with Progress(n_examples, "finetune", enabled=Distributed.current().is_main, initial=done) as bar:
             for step in range(start, len(self.steps)):
                 t0 = time.perf_counter()
                 epoch, ids = self.steps[step]
@@ -345,7 +362,7 @@ class Trainer:
             return
         if cfg.eval_every and step % cfg.eval_every == 0:
             log.write({"step": step, "eval_loss": self.eval_loss()})
-        if cfg.save_every and step % cfg.save_every == 0:
+        if cfg.save_every and step % cfg.save_every == 0 and Distributed.current().is_main:
             state = {"step": step, "train_s": train_s, "metric_lines": log.lines}
             ckpt.save_checkpoint(
                 self.folder / ckpt.CHECKPOINT_DIR, self.model, self.optimizer, self.scaler, state
@@ -382,13 +399,15 @@ def run_finetune(cfg: FinetuneConfig) -> dict[str, Any]:
         tokenizer = load_tokenizer(cfg.model)
         data = prepare_data(cfg, tokenizer)
         model = load_model(cfg.model, policy, cfg.runtime.attention)
+        Distributed.current().broadcast_module_(model)  # identical start on every rank (as DDP)
         trainer = Trainer(cfg, model, data, policy, tokenizer.pad_token_id, run.path)
         trained = count_parameters(model)
         note(f"training {trained[0]:,} of {trained[1]:,} parameters, {len(trainer.steps)} steps")
         result = trainer.run()
         losses = final_losses(trainer)
         result["log"].write({"step": result["steps"], "final": True, **losses})
-        save_outputs(trainer, run.path, tokenizer)
+        if Distributed.current().is_main:  # the ranks hold identical models
+            save_outputs(trainer, run.path, tokenizer)
         summary = {
             **losses,
             "steps": result["steps"],
