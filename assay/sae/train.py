@@ -21,6 +21,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from assay.core.console import note, say
+from assay.core.distributed import Distributed
+from assay.core.errors import AssayError
 from assay.core.precision import PrecisionPolicy, full_precision
 from assay.core.progress import Progress
 from assay.core.runs import config_to_dict, read_json, run_folder, write_json
@@ -44,9 +46,9 @@ class TrainState:
 def default_learning_rate(d_sae: int) -> float:
     """8e-4 / sqrt(d_sae / 2^14): Gao et al.'s width scaling (sparsify: 2e-4 / ...), 4x higher.
 
-    Their constant assumes unit-norm decoder rows; ours start at norm 0.1 and must grow, and
-    4x reached a lower FVU at equal tokens (2x: worse, 16x: worse) in a sweep on SmolLM2
-    activations (docs/BENCHMARKS.md).
+    Their constant assumes unit-norm decoder rows; ours start at norm 0.1 and must grow. On
+    SmolLM2 activations (576 x 2304, 60 steps of 1,024 tokens) held-out FVU was 0.59 / 0.31 /
+    0.14 / 0.11 / 0.14 at 1x / 2x / 4x / 8x / 16x; 4x keeps a margin for long runs.
     """
     return 8e-4 / math.sqrt(d_sae / 2**14)
 
@@ -91,14 +93,28 @@ def train_step(
     with policy.autocast():  # encode, decode, losses
         out = sae.train_forward(x, mask if bool(mask.any()) else None, sparsity_coef)
     out.loss.backward()  # outside autocast: gradients land in the fp32 parameters
+    # Data-parallel: every rank holds an equal share of the global batch and the loss is a
+    # per-token mean, so the mean of the ranks' gradients is the global batch's gradient.
+    dist = Distributed.current()
+    dist.all_reduce_grads_(sae.parameters(), op="mean")
     if grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(sae.parameters(), grad_clip)
     opt.step()
     opt.zero_grad(set_to_none=True)
     with full_precision(x.device):
-        sae.update_threshold(out.min_kept, first)
-        dead.update(out.counts, len(x))
+        dist.all_reduce_(out.counts)  # global firing counts: every rank keeps the same dead mask
+        sae.update_threshold(_global_min(dist, out.min_kept), first)
+        dead.update(out.counts, len(x) * dist.world_size)
     return out
+
+
+def _global_min(dist: Distributed, value: torch.Tensor | None) -> torch.Tensor | None:
+    """The smallest of the ranks' BatchTopK kept activations (None where no rank kept any)."""
+    if not dist.active:
+        return value
+    t = torch.tensor(math.inf if value is None else float(value), dtype=torch.float32)
+    dist.all_reduce_(t, "min")
+    return None if math.isinf(float(t)) else t
 
 
 def step_record(out: TrainOutput, x: torch.Tensor, state: TrainState, dead: DeadLatents, extra: dict) -> dict:
@@ -189,11 +205,13 @@ def fit(
     else:
         state = TrainState()
         init_from_data(sae, batches.fill(0))
+    dist = Distributed.current()
+    dist.broadcast_module_(sae)  # rank 0's initialisation everywhere (as DDP does)
     density = torch.zeros(sae.d_sae, dtype=torch.float64)
     density_from = total - max(1, total // 10)  # densities over the last 10% of steps
     density_tokens, last, started, rate = 0, None, time.perf_counter(), 0.0
     tokens_at_start = state.tokens
-    with Progress(total, f"sae {cfg.sae.architecture}", initial=state.step) as bar:
+    with Progress(total, f"sae {cfg.sae.architecture}", enabled=dist.is_main, initial=state.step) as bar:
         for x_raw in batches.iterate(state.step):
             if state.step >= total:
                 break
@@ -201,10 +219,10 @@ def fit(
             lr = lr_at(state.step, total, base_lr, cfg.lr_warmup_steps, cfg.lr_decay_fraction)
             coef = sparsity_coef_at(state.step, total, cfg)
             out = train_step(sae, opt, x, dead, policy, lr, coef, cfg.grad_clip, state.step == 0)
-            state.step, state.tokens = state.step + 1, state.tokens + len(x)
+            state.step, state.tokens = state.step + 1, state.tokens + len(x) * dist.world_size
             if state.step > density_from:
-                density += out.counts.double().cpu()
-                density_tokens += len(x)
+                density += out.counts.double().cpu()  # global counts (reduced in train_step)
+                density_tokens += len(x) * dist.world_size
             rate = (state.tokens - tokens_at_start) / max(time.perf_counter() - started, 1e-9)
             if state.step % cfg.metrics_every == 0 or state.step == total:
                 last = step_record(
@@ -219,7 +237,9 @@ def fit(
             ):
                 log.log({"step": state.step, "tokens": state.tokens, **_prefixed(evaluate(sae))})
             if cfg.checkpoint_every > 0 and state.step % cfg.checkpoint_every == 0 and state.step < total:
-                save_checkpoint(run_dir, sae, opt, dead, state)
+                dist.barrier()  # no rank runs ahead of a checkpoint it could be resumed from
+                if dist.is_main:
+                    save_checkpoint(run_dir, sae, opt, dead, state)
             bar.update(1, len(x), fvu=f"{last['fvu']:.3f}" if last else "-")
     final = _prefixed(evaluate(sae)) if evaluate is not None else {}
     if final:
@@ -238,8 +258,8 @@ def build_data(cfg: SaeTrainConfig, policy: PrecisionPolicy) -> tuple[Any, Any, 
     from dataclasses import replace
 
     from assay.core.data import load_examples
-    from assay.core.models import load_model, load_tokenizer, model_fingerprint
-    from assay.sae.activations import LMActivations, open_cache, pack_contexts, write_cache
+    from assay.core.models import load_model, load_tokenizer
+    from assay.sae.activations import LMActivations, pack_contexts
 
     tokenizer = load_tokenizer(cfg.model)
     model = load_model(cfg.model, PrecisionPolicy.resolve("fp32", policy.device), cfg.runtime.attention)
@@ -256,22 +276,51 @@ def build_data(cfg: SaeTrainConfig, policy: PrecisionPolicy) -> tuple[Any, Any, 
         model, cfg.hookpoint, contexts, policy, cfg.autocast_lm, cfg.lm_batch_contexts
     )
     if cfg.cache_activations:
+        source = _cached(cfg, model, source, cfg.cache_activations)
+    return model, rank_share(source, Distributed.current()), eval_contexts
+
+
+def rank_share(source: Any, dist: Distributed) -> Any:
+    """Data-parallel: this rank's own stream, every world-th context (the source in one process)."""
+    if not dist.active:
+        return source
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Share:
+        n_contexts: int
+        context_length: int
+        d_in: int
+        mine: np.ndarray
+
+        def rows(self, contexts: np.ndarray) -> torch.Tensor:
+            return source.rows(self.mine[contexts])
+
+    mine = dist.interleave_array(np.arange(source.n_contexts))
+    return Share(len(mine), source.context_length, source.d_in, mine)
+
+
+def _cached(cfg: SaeTrainConfig, model: Any, source: Any, folder: str) -> Any:
+    """The activation cache (written by rank 0 under torchrun; the other ranks then read it)."""
+    from assay.core.models import model_fingerprint
+    from assay.sae.activations import open_cache, write_cache
+
+    with Distributed.current().main_first():
         key = {
             "model": model_fingerprint(model),
             "hookpoint": cfg.hookpoint,
             "dataset": [cfg.data.dataset, cfg.data.split, cfg.data.max_samples, cfg.data.max_length],
             "autocast_lm": cfg.autocast_lm,
         }
-        cache = open_cache(cfg.cache_activations, {**key, "context_length": cfg.context_length})
-        if cache is None or cache.n_contexts < len(contexts):
+        cache = open_cache(folder, {**key, "context_length": cfg.context_length})
+        if cache is None or cache.n_contexts < source.n_contexts:
             if cache is not None:
-                raise_small_cache(cfg.cache_activations, cache.n_contexts, len(contexts))
-            write_cache(source, cfg.cache_activations, key)
-            cache = open_cache(cfg.cache_activations, key)
+                raise_small_cache(folder, cache.n_contexts, source.n_contexts)
+            write_cache(source, folder, key)
+            cache = open_cache(folder, key)
         assert cache is not None
-        note(f"activations from cache {cfg.cache_activations} ({cache.n_contexts:,} contexts)")
-        source = cache
-    return model, source, eval_contexts
+        note(f"activations from cache {folder} ({cache.n_contexts:,} contexts)")
+    return cache
 
 
 def raise_small_cache(folder: str, have: int, want: int) -> None:
@@ -297,7 +346,14 @@ def train_sae(cfg: SaeTrainConfig) -> dict[str, Any]:
         sae = SparseAutoencoder(source.d_in, d_sae, cfg.sae).to(device)
         if cfg.compile:
             sae._dense_forward = torch.compile(sae._dense_forward)  # type: ignore[method-assign]
-        batches = ShuffledBatches(source, cfg.batch_tokens, cfg.buffer_batches, cfg.runtime.seed)
+        dist = Distributed.current()
+        if cfg.batch_tokens % dist.world_size:
+            raise AssayError(
+                f"--batch_tokens {cfg.batch_tokens} must be a multiple of the {dist.world_size} ranks"
+            )
+        # each rank: its own stream (another seed), its share of the global batch
+        seed = cfg.runtime.seed + 1_000 * dist.rank
+        batches = ShuffledBatches(source, cfg.batch_tokens // dist.world_size, cfg.buffer_batches, seed)
         lm_region = policy.autocast() if cfg.autocast_lm else None
 
         def evaluate(s: SparseAutoencoder) -> dict[str, float]:
@@ -305,11 +361,12 @@ def train_sae(cfg: SaeTrainConfig) -> dict[str, Any]:
 
         wandb_run = (
             start_wandb(cfg.wandb_project, Path(cfg.out).name, config_to_dict(cfg), run.path)
-            if cfg.wandb
+            if cfg.wandb and dist.is_main
             else None
         )
         started = time.perf_counter()
-        result = fit(sae, batches, cfg, policy, run.path, evaluate if len(eval_contexts) else None, wandb_run)
+        evaluator = evaluate if len(eval_contexts) and dist.is_main else None  # splice metrics: rank 0
+        result = fit(sae, batches, cfg, policy, run.path, evaluator, wandb_run)
         metadata = {
             "model_name": cfg.model.model,
             "hook_name": cfg.hookpoint,
@@ -318,10 +375,11 @@ def train_sae(cfg: SaeTrainConfig) -> dict[str, Any]:
             "training_tokens": cfg.training_tokens,
             "precision": policy.name,
         }
-        save_sae(run.path, sae.folded(), metadata, result["log_densities"])
-        shutil.rmtree(run.path / CHECKPOINT, ignore_errors=True)
         summary = _summary(cfg, policy, sae, result, time.perf_counter() - started)
-        write_json(run.path / "summary.json", summary)
+        if dist.is_main:  # the ranks hold identical SAEs
+            save_sae(run.path, sae.folded(), metadata, result["log_densities"])
+            shutil.rmtree(run.path / CHECKPOINT, ignore_errors=True)
+            write_json(run.path / "summary.json", summary)
         if wandb_run is not None:
             wandb_run.summary.update({k: v for k, v in summary.items() if isinstance(v, (int, float))})
             wandb_run.finish()
