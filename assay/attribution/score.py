@@ -65,7 +65,7 @@ class ScoreConfig:
     query_filter_value: str | None = None
     """Value --query_filter_column must equal (e.g. oneill)."""
     query_text: tuple[str, ...] = ()
-    """Ad-hoc query texts (repeat the flag for several); scored along with --query_dataset."""
+    """Ad-hoc query texts (`--query_text TEXT [TEXT ...]`); scored along with --query_dataset."""
     mode: Mode = "trackstar"
     """trackstar: cosine after R^(-1/2) on both sides; cosine: raw gradient cosine; inner: raw
     inner product; influence: <g_query, R^(-1) g_train> without unit normalisation."""
@@ -77,9 +77,10 @@ class ScoreConfig:
     """λ in R = λ·R_query + (1-λ)·R_train. Default: TrackStar's automatic rule (trackstar mode),
     0 (the training R alone) in influence mode."""
     mix_fraction: float = MIX_FRACTION
-    """Fraction of the dimensions the automatic λ down-weights (TrackStar: 1000 of 65,536)."""
+    """Fraction of the query statistics' rank the automatic λ down-weights (TrackStar: 1000 of
+    65,536 dimensions, with full-rank query statistics)."""
     damping: float = 0.1
-    """Added to R's eigenvalues, as a multiple of their mean (per module)."""
+    """Added to R_train's eigenvalues before mixing, as a multiple of their mean (per module)."""
     save_scores: bool = False
     """Also write every score: scores.npy [queries or 1, N] float32."""
     chunk_rows: int = 0
