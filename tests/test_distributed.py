@@ -123,6 +123,25 @@ def test_build_run_folder_holds_each_ranks_progress(built):
     )
 
 
+# ---- score -----------------------------------------------------------------------------------
+def test_score_two_processes_equal_one(tmp_path, built, many_jsonl):
+    from assay.cli import main
+
+    one_index, _ = built
+    args = ["--index", str(one_index), "--query_dataset", str(many_jsonl), "--query_split", "train"]
+    args += ["--query_max_samples", "3", "--top_k", "4", "--save_scores", "--damping", "0.1"]
+    assert main(["score", str(tmp_path / "one"), *args]) == 0
+    _ok(torchrun("-m", "assay", "score", str(tmp_path / "two"), *args))
+    s1, s2 = (np.load(tmp_path / r / "scores.npy") for r in ("one", "two"))
+    assert s1.shape == (3, 13)
+    np.testing.assert_allclose(s2, s1, rtol=1e-5, atol=1e-6)
+    tops = [
+        [json.loads(x)["proponents"] for x in (tmp_path / r / "top.jsonl").read_text().splitlines()]
+        for r in ("one", "two")
+    ]
+    assert [[i for i, _ in q] for q in tops[0]] == [[i for i, _ in q] for q in tops[1]]
+
+
 # ---- finetune --------------------------------------------------------------------------------
 def _metrics(folder: Path) -> list[dict]:
     return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
@@ -151,6 +170,23 @@ def test_finetune_two_processes_follow_the_one_process_loss_curve(tmp_path, tiny
     for name, value in w1.items():
         torch.testing.assert_close(w2[name], value, rtol=1e-4, atol=1e-5)
     assert not (tmp_path / "two" / "checkpoint").exists()
+
+
+# ---- sae train -------------------------------------------------------------------------------
+def test_sae_steps_on_two_ranks_equal_one_process_on_the_global_batch(tmp_path, tiny_model_dir, many_jsonl):
+    """Three TopK steps: 2 ranks x 32 rows == 1 process x 64 rows (weights, Adam, dead counters);
+    then a whole `assay sae train` under the same torchrun (run folder written by rank 0)."""
+    _ok(torchrun(__file__, "sae", str(tmp_path), str(tiny_model_dir), str(many_jsonl)))
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"sae-step-{rank}.json").read_text())
+        assert got["max_diff"] < 1e-5 and got["dead_equal"]
+        assert got["own_half_diff"] > 1e-3  # a rank alone (no reduction) would differ
+    out = tmp_path / "sae"
+    assert {"cfg.json", "sae_weights.safetensors", "metrics.jsonl", "run.json"} <= {
+        p.name for p in out.iterdir()
+    }
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["tokens"] == 256 and summary["steps"] == 4  # global tokens, not one rank's
 
 
 # ---- errors ----------------------------------------------------------------------------------
@@ -188,6 +224,50 @@ def _worker_fail(folder: str) -> int:
     return cli.main(["eval"])
 
 
+def _worker_sae(folder: str, model_dir: str, data: str) -> int:
+    import assay.core.distributed as D
+    from assay.cli import main
+    from assay.core.precision import PrecisionPolicy
+    from assay.sae.config import SaeArchConfig
+    from assay.sae.metrics import DeadLatents
+    from assay.sae.model import SparseAutoencoder
+    from assay.sae.train import init_from_data, make_optimizer, train_step
+
+    dist = D.Distributed.current()
+    torch.manual_seed(0)
+    x = torch.randn(3, 64, 16) * 2 + 0.5  # 3 global batches of 64 rows
+
+    def run(rows: slice) -> tuple[SparseAutoencoder, DeadLatents]:
+        torch.manual_seed(1)
+        sae = SparseAutoencoder(16, 64, SaeArchConfig(architecture="topk", k=4))
+        init_from_data(sae, x[0])
+        opt, dead, policy = make_optimizer(sae, 1e-2), DeadLatents(64, 96), PrecisionPolicy.resolve("fp32")
+        for i in range(3):
+            train_step(sae, opt, x[i, rows] * sae.act_scale, dead, policy, 1e-2, 0.0, 1.0, first=i == 0)
+        return sae, dead
+
+    mine = slice(32 * dist.rank, 32 * (dist.rank + 1))
+    D._CURRENT = D.Distributed()  # references: one process
+    (ref, ref_dead), (alone, _) = run(slice(None)), run(mine)
+    D._CURRENT = dist
+    sae, dead = run(mine)
+
+    def diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
+        pairs = zip(a.state_dict().values(), b.state_dict().values(), strict=True)
+        return max(float((u - v).abs().max()) for u, v in pairs)
+
+    result = {
+        "max_diff": diff(sae, ref),
+        "dead_equal": bool(torch.equal(dead.since, ref_dead.since)),
+        "own_half_diff": diff(alone, ref),
+    }
+    (Path(folder) / f"sae-step-{dist.rank}.json").write_text(json.dumps(result))
+    args = ["sae", "train", str(Path(folder) / "sae"), "--model", model_dir, "--dataset", data]
+    args += ["--hookpoint", "model.layers.0", "--training_tokens", "256", "--batch_tokens", "64"]
+    args += ["--context_length", "16", "--buffer_batches", "2", "--eval_contexts", "0", "--precision", "fp32"]
+    return main([*args, "--d_sae", "64", "--k", "4", "--checkpoint_every", "2"])
+
+
 if __name__ == "__main__":
     mode, *rest = sys.argv[1:]
-    sys.exit({"fail": _worker_fail}[mode](*rest))
+    sys.exit({"fail": _worker_fail, "sae": _worker_sae}[mode](*rest))

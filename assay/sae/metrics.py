@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from assay.core.distributed import Distributed
 from assay.core.errors import AssayError
 
 
@@ -92,13 +93,15 @@ class MetricsLog:
 
     def truncate_after(self, step: int) -> None:
         """On resume: drop lines written after the checkpoint being resumed from."""
-        if not self.path.exists():
+        if not self.path.exists() or not Distributed.current().is_main:
             return
         lines = [line for line in self.path.read_text().splitlines() if line.strip()]
         kept = [line for line in lines if json.loads(line).get("step", 0) <= step]
         self.path.write_text("".join(line + "\n" for line in kept))
 
     def log(self, record: dict[str, Any]) -> None:
+        if not Distributed.current().is_main:  # under torchrun, rank 0 writes the metrics
+            return
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
         with open(self.path, "a") as f:
             f.write(json.dumps(clean) + "\n")

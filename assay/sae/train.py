@@ -96,6 +96,12 @@ def train_step(
     # Data-parallel: every rank holds an equal share of the global batch and the loss is a
     # per-token mean, so the mean of the ranks' gradients is the global batch's gradient.
     dist = Distributed.current()
+    if dist.active and sae.arch.architecture in ("topk", "batchtopk"):
+        # their loss divides by the batch's variance: rescale each rank's share to the global one
+        ratio = _variance_ratio(dist, x)
+        for p in sae.parameters():
+            if p.grad is not None:
+                p.grad.mul_(ratio)
     dist.all_reduce_grads_(sae.parameters(), op="mean")
     if grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(sae.parameters(), grad_clip)
@@ -106,6 +112,16 @@ def train_step(
         sae.update_threshold(_global_min(dist, out.min_kept), first)
         dead.update(out.counts, len(x) * dist.world_size)
     return out
+
+
+def _variance_ratio(dist: Distributed, x: torch.Tensor) -> float:
+    """This rank's batch variance over the global batch's (fp64; equal-sized shares)."""
+    x64 = x.detach().double()
+    local = float((x64 - x64.mean(0)).pow(2).sum(-1).mean())
+    n, squares = dist.sum_scalars(len(x), float(x64.pow(2).sum()))
+    total = dist.all_reduce_(x64.sum(0))  # [d_in] fp64 sum of the global batch
+    glob = squares / n - float(total.pow(2).sum()) / n**2
+    return max(local, 1e-12) / max(glob, 1e-12)
 
 
 def _global_min(dist: Distributed, value: torch.Tensor | None) -> torch.Tensor | None:
