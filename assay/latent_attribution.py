@@ -254,3 +254,33 @@ def most_active_latent(
         z = sae.encode(h.to(STATS_DTYPE)) * batch["attention_mask"][:, :, None]  # [B, T, d_sae]
         totals += z.sum((0, 1)).double()
     return int(totals.argmax())
+
+
+def score_latent(cfg: Any, sae_dir: str, latent: int | None = None) -> dict[str, Any]:
+    """`assay score` with an SAE latent as the query; `latent=None` picks the latent most active
+    on the queries themselves (`most_active_latent`). `cfg` is a ScoreConfig without an SAE."""
+    import dataclasses
+
+    from assay.attribution.build import setup_from_index
+    from assay.attribution.index import open_index
+    from assay.attribution.score import load_queries, run_score
+
+    if latent is None:
+        index = open_index(cfg.index)
+        setup = setup_from_index(index, cfg.device)
+        queries = load_queries(cfg, index, setup.tokenizer)
+        latent = most_active_latent(setup.model, load_sae(sae_dir), queries.examples, setup.pad_id)
+    return run_score(dataclasses.replace(cfg, query_sae=str(sae_dir), latent=latent))
+
+
+def latent_demo(index_dir: str, sae_dir: str, out: str, queries: int = 3, overwrite: bool = False) -> dict:
+    """The README's main job: the SAE latent most active on held-out O'Neill tunes, attributed to the
+    training tunes of the index (the same queries as `score_demo`)."""
+    from assay.attribution.score import ScoreConfig
+
+    cfg = ScoreConfig(
+        out=out, index=index_dir, query_dataset="abc-tunes", query_split="eval",
+        query_filter_column="collection", query_filter_value="oneill", query_max_samples=queries,
+        overwrite=overwrite,
+    )  # fmt: skip
+    return score_latent(cfg, sae_dir)

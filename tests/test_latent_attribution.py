@@ -277,3 +277,62 @@ def test_most_active_latent_matches_a_dense_count(tmp_path):
         with torch.no_grad():
             sums += sae.encode(model(input_ids=tokens, output_hidden_states=True).hidden_states[1][0]).sum(0)
     assert most_active_latent(model, sae, examples, pad_id=0, token_batch_size=32) == int(sums.argmax())
+
+
+def test_score_cli_attributes_a_latent(tmp_path, tiny_model_dir, texts_jsonl, capsys):
+    """`assay score --query_sae SAE --latent L` ranks training rows by ⟨∇(-Σ a_L), row⟩ (inner mode),
+    exactly as the Python path; the flags go together; a latent that never fires is refused."""
+    import json
+
+    import assay
+    from assay.attribution.build import setup_from_index
+    from assay.attribution.score import ScoreConfig, load_queries
+    from assay.cli import main
+
+    idx, sae_dir = tmp_path / "idx", tmp_path / "sae"
+    args = [
+        "build",
+        str(idx),
+        "--model",
+        str(tiny_model_dir),
+        "--dataset",
+        str(texts_jsonl),
+        "--precision",
+        "fp32",
+    ]
+    assert main([*args, "--projection_dim", "8"]) == 0
+    tensors = random_sae(32, 64, seed=3, architecture="standard")
+    tensors["b_enc"][7] = 5.0  # latent 7 fires everywhere
+    tensors["b_enc"][8] = -1e3  # latent 8 never fires
+    save_sae(sae_dir, tensors, "standard")
+    texts = ["To be, or not to be", "X:3\nT:Some tune\nK:G\nGABc dedB|"]
+    query = ["--query_text", *texts]  # one flag, several values (tyro keeps only the last repeat)
+    out = tmp_path / "latent"
+    score = ["score", str(out), "--index", str(idx), *query, "--mode", "inner", "--top_k", "3"]
+    assert main([*score, "--query_sae", str(sae_dir), "--latent", "7"]) == 0
+    records = [json.loads(line) for line in (out / "top.jsonl").read_text().splitlines()]
+    saved = json.loads((out / "config.json").read_text())["config"]
+    assert saved["query_sae"] == str(sae_dir) and saved["latent"] == 7
+    index = assay.open_index(idx)
+    setup = setup_from_index(index, device="cpu")
+    queries = load_queries(
+        ScoreConfig(out="x", index=str(idx), query_text=tuple(texts)), index, setup.tokenizer
+    )
+    grads = latent_query_gradients(index, sae_dir, 7, queries.examples, 64, setup=setup)  # [2, D]
+    ref = np.asarray(index.gradients, dtype=np.float64) @ grads.T.astype(np.float64)  # [N, 2]
+    for q, record in enumerate(records):
+        assert [pid for pid, _ in record["proponents"]] == [
+            int(index.ids[i]) for i in np.argsort(-ref[:, q])[:3]
+        ]
+        np.testing.assert_allclose(
+            [v for _, v in record["proponents"]], np.sort(ref[:, q])[::-1][:3], rtol=1e-4
+        )
+    assert main([*score[:-2], "--top_k", "3", "--latent", "7", "--overwrite"]) == 2
+    assert "go together" in capsys.readouterr().err
+    assert main([*score, "--query_sae", str(sae_dir), "--latent", "8", "--overwrite"]) == 2
+    assert "never fires" in capsys.readouterr().err
+    from assay.latent_attribution import score_latent
+
+    picked = ScoreConfig(out=str(tmp_path / "picked"), index=str(idx), query_text=tuple(texts), mode="inner")
+    score_latent(picked, str(sae_dir))  # no latent given: the one most active on the queries (7)
+    assert json.loads((tmp_path / "picked" / "config.json").read_text())["config"]["latent"] == 7

@@ -14,6 +14,7 @@ import json
 import os
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -101,6 +102,12 @@ class ScoreConfig:
     """cpu, cuda, cuda:N or auto."""
     show: int = 3
     """Proponents shown per query on stdout (top.jsonl holds --top_k)."""
+    query_sae: str | None = None
+    """An SAE folder (SAELens format). With --latent, each query is that latent's activation summed
+    over the query's tokens instead of its loss: proponents are the training examples whose
+    training step raises the feature (see docs/report.md)."""
+    latent: int | None = None
+    """The SAE latent to attribute (with --query_sae)."""
     overwrite: bool = False
     """Replace a finished run in OUT."""
 
@@ -119,6 +126,8 @@ class ScoreConfig:
             raise AssayError("--search faiss gives top-k only (no --save_scores), for trackstar or cosine")
         if (self.query_filter_column is None) != (self.query_filter_value is None):
             raise AssayError("--query_filter_column and --query_filter_value go together")
+        if (self.query_sae is None) != (self.latent is None):
+            raise AssayError("--query_sae and --latent go together")
 
 
 @dataclass
@@ -335,9 +344,19 @@ def query_gradients(cfg: ScoreConfig, index: GradientIndex) -> tuple[Any, Querie
     setup = setup_from_index(index, cfg.device)
     check_compatible(index, setup)
     queries = load_queries(cfg, index, setup.tokenizer)
+    if cfg.query_sae is not None:  # the query is an SAE latent's activation, not the loss
+        from assay.latent_attribution import latent_objective, load_sae
+
+        objective = latent_objective(load_sae(cfg.query_sae).to(setup.policy.device), int(cfg.latent or 0))
+        collect = partial(collect, objective=objective)  # type: ignore[assignment]
     grads = torch.from_numpy(collect(setup, queries.examples, cfg.token_batch_size))
     zero = [q for q, n in zip(queries.ids, grads.norm(dim=1)) if float(n) == 0.0]
     if zero:
+        if cfg.query_sae is not None:
+            raise AssayError(
+                f"latent {cfg.latent} never fires on query {zero[0]!r} (all-zero gradient); choose queries "
+                "where it fires (`assay report` on the SAE run shows its top contexts)"
+            )
         raise AssayError(f"query {zero[0]!r} has an all-zero gradient; it cannot be attributed")
     return setup, queries, grads
 
