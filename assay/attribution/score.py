@@ -36,6 +36,7 @@ from assay.attribution.precondition import MIX_FRACTION, Whitening, build_whiten
 from assay.core.config import DataConfig
 from assay.core.console import note, say
 from assay.core.data import ID_COLUMN, Examples, load_table, texts_of, tokenize, tokenizer_fingerprint
+from assay.core.distributed import Distributed
 from assay.core.errors import AssayError
 from assay.core.paths import cache_dir
 from assay.core.runs import DONE_FILE, run_folder, write_json
@@ -349,7 +350,12 @@ def query_gradients(cfg: ScoreConfig, index: GradientIndex) -> tuple[Any, Querie
 
         objective = latent_objective(load_sae(cfg.query_sae).to(setup.policy.device), int(cfg.latent or 0))
         collect = partial(collect, objective=objective)  # type: ignore[assignment]
-    grads = torch.from_numpy(collect(setup, queries.examples, cfg.token_batch_size))
+    # under torchrun each rank computes every world-th query's gradient; all ranks get them all
+    dist = Distributed.current()
+    mine = dist.interleave_array(np.arange(len(queries.examples)))
+    share = queries.examples.subset(mine) if dist.active else queries.examples
+    rows = collect(setup, share, cfg.token_batch_size)  # [len(mine), D] fp32
+    grads = torch.from_numpy(_assemble(dist.gather((mine, rows)), len(queries.examples)))
     zero = [q for q, n in zip(queries.ids, grads.norm(dim=1)) if float(n) == 0.0]
     if zero:
         if cfg.query_sae is not None:
@@ -361,10 +367,21 @@ def query_gradients(cfg: ScoreConfig, index: GradientIndex) -> tuple[Any, Querie
     return setup, queries, grads
 
 
+def _assemble(parts: list[tuple[np.ndarray, np.ndarray]], n: int) -> np.ndarray:
+    """[n, D] rows from the ranks' (positions, rows) shares."""
+    out = np.zeros((n, parts[0][1].shape[1]), dtype=np.float32)
+    for positions, rows in parts:
+        out[positions] = rows
+    return out
+
+
 def run_score(cfg: ScoreConfig) -> dict[str, Any]:
     """Compute the queries' gradients like the index's, score, write OUT, print the table."""
     index = open_index(cfg.index)
     setup, queries, grads = query_gradients(cfg, index)  # user errors surface before OUT.part exists
+    if not Distributed.current().is_main:  # rank 0 streams the index and writes OUT
+        with run_folder(cfg.out, "score", cfg, cfg.overwrite):
+            return {}
     with run_folder(cfg.out, "score", cfg, cfg.overwrite) as run:
         columns = len(queries.ids) if cfg.aggregate == "none" else 1
         scores_out = None
