@@ -159,9 +159,7 @@ def _abc_rows(workdir: Path) -> list[Row]:
     wheel = _pip_download(MUSIC21_PIN, workdir / "download", "--only-binary", ":all:")
     rows: list[Row] = []
     with zipfile.ZipFile(wheel) as zf:
-        names = sorted(
-            n for n in zf.namelist() if n.startswith("music21/corpus/") and n.endswith(".abc")
-        )
+        names = sorted(n for n in zf.namelist() if n.startswith("music21/corpus/") and n.endswith(".abc"))
         for member in names:
             rows.extend(_abc_tunes(_decode(zf.read(member)), _collection(member)))
     shutil.rmtree(workdir / "download", ignore_errors=True)
