@@ -205,12 +205,15 @@ def tokenize(table: Any, cfg: DataConfig, tokenizer: Any) -> Examples:
 
 def _tokenize_rows(table: Any, cfg: DataConfig, tokenizer: Any) -> Examples:
     eos = tokenizer.eos_token_id
-    if cfg.prompt_column:
-        prompts = tokenizer(list(table[cfg.prompt_column]), add_special_tokens=True)["input_ids"]
-        completions = tokenizer(list(table[cfg.completion_column]), add_special_tokens=False)["input_ids"]
+
+    def encode(column: str, special: bool) -> list[list[int]]:
+        # verbose=False: we truncate ourselves, so "longer than the maximum length" is noise
+        return tokenizer(list(table[column]), add_special_tokens=special, verbose=False)["input_ids"]
+
+    if cfg.prompt_column and cfg.completion_column:
+        prompts, completions = encode(cfg.prompt_column, True), encode(cfg.completion_column, False)
     else:
-        prompts = [[] for _ in range(len(table))]
-        completions = tokenizer(list(table[cfg.text_column]), add_special_tokens=True)["input_ids"]
+        prompts, completions = [[] for _ in range(len(table))], encode(cfg.text_column, True)
     pieces, starts = [], []
     for p, c in zip(prompts, completions):
         seq = list(p) + list(c) + ([eos] if eos is not None and (not c or c[-1] != eos) else [])
