@@ -25,8 +25,9 @@ lint: setup
 	$(VENV)/bin/ruff format --check assay tests bench scripts
 	$(VENV)/bin/mypy
 
-test: lint
+test: lint browser
 	$(VENV)/bin/pytest -q
+	$(MAKE) test-interop
 
 clean:
 	rm -rf $(VENV) demo-out

@@ -1,19 +1,26 @@
 """`assay demo`: the main job on the bundled defaults (real data, a real small model).
 
-The one place that runs every pillar in turn, so a new user sees the whole tool at once.
+The one place that runs every pillar in turn, so a new user sees the whole tool at once:
+held-out losses, a gradient index of real ABC folk tunes, TrackStar attribution of held-out
+Irish tunes, a sparse autoencoder on general text, one of its latents attributed to the
+training tunes, and an HTML report of it all. Each stage is its own run folder inside OUT, so
+an interrupted demo resumes at the first unfinished stage.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import tyro
 
 from assay.core.config import DataConfig, ModelConfig, RuntimeConfig
-from assay.core.console import say
-from assay.core.runs import run_folder, write_json
-from assay.training.evaluate import mean_token_loss
+from assay.core.console import note, say
+from assay.core.runs import DONE_FILE, read_json, run_folder, write_json
 
 
 @dataclass
@@ -21,32 +28,110 @@ class DemoConfig:
     """Run the main job: assay-tiny on real ABC folk tunes and real general text."""
 
     out: tyro.conf.Positional[str] = "demo-out"
-    """Output folder for every stage's results."""
+    """Output folder for every stage's results and report.html."""
     model: str = "assay-tiny"
     """Model to study (an alias, a local folder or a hub id)."""
     precision: str = "auto"
-    """Precision policy for every stage (see `assay eval --help`)."""
-    max_samples: int = 400
-    """Examples per dataset the demo uses (keeps it to minutes on 2 CPU cores)."""
+    """Precision policy for every stage (see `assay build --help`)."""
+    train_tunes: int = 1500
+    """Training tunes in the gradient index (of ~12k; keeps the demo to minutes on 2 cores)."""
+    eval_samples: int = 300
+    """Held-out examples per dataset for the loss comparison."""
+    queries: int = 3
+    """Held-out Irish (O'Neill) tunes to attribute."""
+    sae_tokens: int = 81_920
+    """Tokens of general text the sparse autoencoder trains on."""
     overwrite: bool = False
     """Replace a finished demo in OUT."""
 
 
-def _loss_table(cfg: DemoConfig, out: Path) -> dict[str, float]:
-    model = ModelConfig(model=cfg.model)
-    runtime = RuntimeConfig(precision=cfg.precision)  # type: ignore[arg-type]
-    results = {}
+def _stage(folder: Path, title: str, work: Callable[[str], Any]) -> float:
+    """Run one stage into `folder` unless a finished run is already there; returns seconds."""
+    if (folder / DONE_FILE).exists():
+        note(f"== {title}: already done in {folder.name}/")
+        return 0.0
+    note(f"== {title}")
+    start = time.perf_counter()
+    work(str(folder))
+    return time.perf_counter() - start
+
+
+def _losses(cfg: DemoConfig, root: Path) -> dict[str, float]:
+    from assay.training.evaluate import EvalConfig
+
+    losses = {}
     for dataset in ("shakespeare", "abc-tunes"):
-        data = DataConfig(dataset=dataset, split="eval", max_samples=cfg.max_samples)
-        results[dataset] = mean_token_loss(model, data, runtime)["mean_loss"]
-    write_json(out / "losses.json", results)
-    return results
+        folder = root / f"loss-{dataset}"
+        evaluate = EvalConfig(
+            out=str(folder),
+            model=ModelConfig(model=cfg.model),
+            data=DataConfig(dataset=dataset, split="eval", max_samples=cfg.eval_samples),
+            runtime=RuntimeConfig(precision=cfg.precision),  # type: ignore[arg-type]
+        )
+        _stage(folder, f"loss of {cfg.model} on held-out {dataset}", partial(_run_eval, evaluate))
+        losses[dataset] = read_json(folder / "summary.json")["mean_loss"]
+    return losses
+
+
+def _run_eval(cfg: Any, _out: str) -> Any:
+    from assay.training.evaluate import run_eval
+
+    return run_eval(cfg)
+
+
+def _index(cfg: DemoConfig, folder: Path) -> float:
+    from assay.attribution.build import BuildConfig, run_build
+
+    build = BuildConfig(
+        out=str(folder),
+        model=ModelConfig(model=cfg.model),
+        data=DataConfig(dataset="abc-tunes", max_samples=cfg.train_tunes, max_length=256),
+        runtime=RuntimeConfig(precision=cfg.precision),  # type: ignore[arg-type]
+        normalizer="adafactor",
+        normalizer_samples=500,
+        preconditioner="trackstar",
+    )
+    title = f"gradient index of {cfg.train_tunes} ABC training tunes"
+    return _stage(folder, title, lambda _: run_build(build))
 
 
 def run_demo(cfg: DemoConfig) -> None:
+    from assay.attribution.score import score_demo
+    from assay.latent_attribution import latent_demo
+    from assay.report.command import build_report
+    from assay.sae.train import demo_sae
+
+    timings: dict[str, float] = {}
     with run_folder(cfg.out, "demo", cfg, cfg.overwrite) as run:
-        losses = _loss_table(cfg, run.path)
-    say(f"\n{cfg.model} loss (nats/token) on held-out text:")
+        root = run.path
+        start = time.perf_counter()
+        losses = _losses(cfg, root)
+        timings["losses"] = time.perf_counter() - start
+        timings["index"] = _index(cfg, root / "index")
+        timings["attribution"] = _stage(
+            root / "attribution",
+            f"attribute {cfg.queries} held-out O'Neill tunes to the training tunes",
+            lambda out: score_demo(str(root / "index"), out, queries=cfg.queries),
+        )
+        timings["sae"] = _stage(
+            root / "sae",
+            "sparse autoencoder on assay-tiny's block-2 output over Shakespeare",
+            lambda out: demo_sae(
+                out, model=cfg.model, precision=cfg.precision, training_tokens=cfg.sae_tokens
+            ),
+        )
+        timings["latent"] = _stage(
+            root / "latent-attribution",
+            "attribute the SAE latent most active on those tunes to the training tunes",
+            lambda out: latent_demo(str(root / "index"), str(root / "sae"), out, queries=cfg.queries),
+        )
+        write_json(root / "summary.json", {"losses": losses, "seconds": timings})
+        report = build_report([root], root / "report.html", title=f"assay demo — {cfg.model}")
+    _print_summary(cfg, losses, report)
+
+
+def _print_summary(cfg: DemoConfig, losses: dict[str, float], report: Path) -> None:
+    say(f"\n{cfg.model}: loss on held-out text (nats/token)")
     for name, value in losses.items():
         say(f"  {name:<12} {value:.3f}")
-    say(f"results in {cfg.out}/")
+    say(f"\nreport: {Path(cfg.out) / report.name}  (open it in a browser)")
