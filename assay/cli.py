@@ -177,7 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _rank_label() -> str:
-    """" (rank R of W)" under torchrun, so a failing rank is named; "" in one process."""
+    """The " (rank R of W)" label under torchrun, so a failing rank is named; "" in one process."""
     import os
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
