@@ -10,19 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from assay.experiments.report import LABELS
 from assay.report import charts
 from assay.report import html as h
 from assay.report.common import missing_note, settings_block, unfinished_note
 from assay.report.runs import Run, try_open_run
-
-LABELS = {
-    "full": "full data",
-    "random": "random",
-    "loss": "loss (highest)",
-    "gradcos": "gradient cosine",
-    "trackstar_bf16": "TrackStar bf16",
-    "trackstar_fp32": "TrackStar fp32",
-}
 
 
 def _stat(entry: dict, key: str) -> str:
