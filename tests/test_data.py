@@ -110,3 +110,18 @@ def test_token_batches_respect_the_budget_and_cover_everything(texts_jsonl, tiny
     assert sub.ids.tolist() == [2, 0]
     np.testing.assert_array_equal(sub.tokens_of(0), ex.tokens_of(2))
     assert ex.positions_of([2, 0]).tolist() == [2, 0]
+
+
+def test_seeded_sample_keeps_source_ids_in_order(texts_jsonl):
+    first = load_table(DataConfig(dataset=str(texts_jsonl), max_samples=3))
+    assert list(first["__assay_id__"]) == [0, 1, 2]
+    drawn = load_table(DataConfig(dataset=str(texts_jsonl), max_samples=3, sample_seed=1))
+    again = load_table(DataConfig(dataset=str(texts_jsonl), max_samples=3, sample_seed=1))
+    ids = list(drawn["__assay_id__"])
+    assert ids == list(again["__assay_id__"]) == sorted(ids) and len(set(ids)) == 3
+    assert [SAMPLE_TEXTS[i] for i in ids] == list(drawn["text"])
+    other = [
+        list(load_table(DataConfig(dataset=str(texts_jsonl), max_samples=3, sample_seed=s))["__assay_id__"])
+        for s in range(2, 8)
+    ]
+    assert any(o != [0, 1, 2] for o in other)

@@ -57,6 +57,9 @@ class DataConfig:
     """Column holding the completion (needs --prompt_column)."""
     max_samples: int | None = None
     """Keep only the first N examples of the split."""
+    sample_seed: int | None = None
+    """With --max_samples: take a seeded random sample of the split (ids stay the source row
+    indices, in order) instead of its first rows."""
     max_length: int = 512
     """Truncate each example to this many tokens."""
     filter_column: str | None = None

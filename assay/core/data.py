@@ -33,12 +33,19 @@ def load_table(cfg: DataConfig) -> Any:
         _require_columns(table, [cfg.filter_column], cfg.dataset)
         table = table.filter(lambda row: str(row[cfg.filter_column]) == cfg.filter_value)
     if cfg.max_samples is not None:
-        table = table.select(range(min(cfg.max_samples, len(table))))
+        table = table.select(_sample(len(table), cfg.max_samples, cfg.sample_seed))
     if len(table) == 0:
         raise AssayError(f"dataset {cfg.dataset!r} (split {cfg.split!r}) has no examples left")
     needed = [cfg.prompt_column, cfg.completion_column] if cfg.prompt_column else [cfg.text_column]
     _require_columns(table, [c for c in needed if c], cfg.dataset)
     return table
+
+
+def _sample(n: int, k: int, seed: int | None) -> list[int]:
+    """The first k rows, or (with a seed) k rows drawn at random, kept in source order."""
+    if seed is None or k >= n:
+        return list(range(min(k, n)))
+    return sorted(np.random.default_rng(seed).choice(n, size=k, replace=False).tolist())
 
 
 def _require_columns(table: Any, columns: list[str], name: str) -> None:
