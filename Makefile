@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)" || $(PY) -m pip install -q "$(TORCH)" --index-url https://download.pytorch.org/whl/cpu
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -e ".[dev,faiss]"
 	touch $(STAMP)
 
 demo: setup
@@ -26,7 +26,7 @@ lint: setup
 	$(VENV)/bin/mypy
 
 test: lint browser
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q --ignore=tests/interop
 	$(MAKE) test-interop
 
 clean:
