@@ -271,3 +271,23 @@ def _worker_sae(folder: str, model_dir: str, data: str) -> int:
 if __name__ == "__main__":
     mode, *rest = sys.argv[1:]
     sys.exit({"fail": _worker_fail, "sae": _worker_sae}[mode](*rest))
+
+
+@pytest.mark.parametrize("command", ["filter", "coreset"])
+def test_filter_and_coreset_refuse_torchrun_before_writing(command, tmp_path, monkeypatch):
+    """Their stages share files, so several ranks would overwrite each other: refuse clearly."""
+    from assay.attribution.filter import FilterConfig, run_filter
+    from assay.core import distributed
+    from assay.core.errors import AssayError
+    from assay.experiments.coreset import CoresetConfig, run_coreset
+
+    monkeypatch.setattr(distributed, "_CURRENT", distributed.Distributed(rank=1, world_size=2))
+    out = tmp_path / command
+    run, cfg = (
+        (run_filter, FilterConfig(out=str(out), num_examples=1))
+        if command == "filter"
+        else (run_coreset, CoresetConfig(out=str(out)))
+    )
+    with pytest.raises(AssayError, match=f"assay {command} runs in one process"):
+        run(cfg)
+    assert not any(tmp_path.iterdir())

@@ -30,6 +30,7 @@ import tyro
 from assay.attribution.index import GradientIndex, open_index
 from assay.core.config import DataConfig, ModelConfig, RuntimeConfig
 from assay.core.console import note, say
+from assay.core.distributed import Distributed
 from assay.core.errors import AssayError
 from assay.core.runs import run_folder, write_json
 
@@ -216,6 +217,7 @@ def write_selection(folder: Path, ids: np.ndarray, scores: np.ndarray, chosen: n
 
 def run_filter(cfg: FilterConfig) -> dict[str, Any]:
     """Score the pool, keep the top (or bottom) k, write them with their scores."""
+    Distributed.current().require_single_process("filter")
     with run_folder(cfg.out, "filter", cfg, cfg.overwrite) as run:
         ids, scores, details = compute_scores(cfg, run.path)
         k = selection_size(cfg, len(ids))

@@ -66,6 +66,16 @@ class Distributed:
     def active(self) -> bool:
         return self.world_size > 1
 
+    def require_single_process(self, command: str) -> None:
+        """Refuse, with one clear line, a command whose outputs ranks would write over each other."""
+        if self.active:
+            from assay.core.errors import AssayError
+
+            raise AssayError(
+                f"assay {command} runs in one process; launch it without torchrun (its build, "
+                "score and finetune steps each scale out under torchrun on their own)"
+            )
+
     def _device(self) -> torch.device:
         """Where collectives' buffers live (NCCL needs CUDA tensors)."""
         if self.active and tdist.get_backend() == "nccl":

@@ -26,6 +26,7 @@ import tyro
 
 from assay.core.config import DataConfig, ModelConfig, RuntimeConfig
 from assay.core.console import note, say
+from assay.core.distributed import Distributed
 from assay.core.errors import AssayError
 from assay.core.runs import CONFIG_FILE, DONE_FILE, RunFolder, read_json, write_json
 
@@ -297,6 +298,7 @@ def run_coreset(cfg: CoresetConfig) -> dict[str, Any]:
     """Every stage (resumably), then the tables, the overlap and the plot."""
     from assay.experiments.report import write_report
 
+    Distributed.current().require_single_process("coreset")
     root = open_experiment(cfg)
     lay = resolve_layout(cfg, root)
     run_stages(cfg, lay, Stages(root))
