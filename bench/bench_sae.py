@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_sae_common import DEAD_WINDOW_STEPS, Timer, batches, load_split, machine, quality, scale_of  # noqa: E402
+from bench_sae_common import DEAD_WINDOW_STEPS, Timer, batches, load_split, quality, record, scale_of  # noqa: E402
 
 from assay.core.config import DataConfig, ModelConfig  # noqa: E402
 from assay.core.data import load_examples  # noqa: E402
@@ -102,20 +102,8 @@ def run_ours(acts: Path, d_sae: int, precision: str, args: argparse.Namespace, s
         train_step(sae, opt, x, dead, policy, step_lr, 0.0, 1.0, first=i == 0)
     speed = timer.tokens_per_s(args.batch)
     q = quality(sae.forward, sae.encode, held_out)
-    return {
-        "library": "assay",
-        "kernel": "sparse" if sparse else "dense",
-        "precision": precision,
-        "d_in": d_in,
-        "d_sae": d_sae,
-        "k": args.k,
-        "batch": args.batch,
-        "steps": args.steps,
-        "tokens_per_s": speed,
-        **q,
-        "dead_fraction": dead.fraction(),
-        **machine(),
-    }
+    rec = record("assay", precision, d_in, d_sae, args, speed, q, dead.fraction())
+    return {**rec, "kernel": "sparse" if sparse else "dense"}
 
 
 def table(files: list[Path]) -> None:

@@ -71,3 +71,22 @@ class Timer:
 
 def machine() -> dict[str, Any]:
     return {"threads": torch.get_num_threads(), "load_avg": os.getloadavg(), "torch": torch.__version__}
+
+
+def record(
+    name: str, precision: str, d_in: int, d_sae: int, args: Any, speed: float, q: dict, dead: float
+) -> dict[str, Any]:
+    """One result line, the same fields for every library."""
+    return {
+        "library": name,
+        "precision": precision,
+        "d_in": d_in,
+        "d_sae": d_sae,
+        "k": args.k,
+        "batch": args.batch,
+        "steps": args.steps,
+        "tokens_per_s": speed,
+        **q,
+        "dead_fraction": dead,
+        **machine(),
+    }

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_sae_common import DEAD_WINDOW_STEPS, Timer, batches, load_split, machine, quality, scale_of  # noqa: E402
+from bench_sae_common import DEAD_WINDOW_STEPS, Timer, batches, load_split, quality, record, scale_of  # noqa: E402
 
 
 def default_lr(d_sae: int) -> float:
@@ -65,7 +65,7 @@ def run_saelens(data: list, held: torch.Tensor, d_sae: int, args: argparse.Names
     dead = float((trainer.n_forward_passes_since_fired >= DEAD_WINDOW_STEPS).float().mean())
     q = quality(lambda x: sae(x), lambda x: sae.encode(x), held)
     name = "saelens-bf16" if autocast else "saelens"
-    return _record(name, "bf16" if autocast else "fp32", d_in, d_sae, args, speed, q, dead)
+    return record(name, "bf16" if autocast else "fp32", d_in, d_sae, args, speed, q, dead)
 
 
 def run_sparsify(
@@ -119,25 +119,7 @@ def run_sparsify(
         return torch.zeros(len(x), d_sae).scatter_(-1, enc.top_indices, enc.top_acts)
 
     q = quality(lambda x: sae(x).sae_out, encode, held)
-    return _record(f"sparsify-{optimizer}", "fp32", d_in, d_sae, args, speed, q, dead_frac)
-
-
-def _record(
-    name: str, precision: str, d_in: int, d_sae: int, args, speed: float, q: dict, dead: float
-) -> dict:  # type: ignore[no-untyped-def]
-    return {
-        "library": name,
-        "precision": precision,
-        "d_in": d_in,
-        "d_sae": d_sae,
-        "k": args.k,
-        "batch": args.batch,
-        "steps": args.steps,
-        "tokens_per_s": speed,
-        **q,
-        "dead_fraction": dead,
-        **machine(),
-    }
+    return record(f"sparsify-{optimizer}", "fp32", d_in, d_sae, args, speed, q, dead_frac)
 
 
 def main() -> None:

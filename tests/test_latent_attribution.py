@@ -231,22 +231,11 @@ def test_latent_query_against_a_built_index(tmp_path, tiny_model_dir, texts_json
     import assay
     from assay.attribution.build import setup_from_index
     from assay.attribution.score import score_index
-    from assay.cli import main
     from assay.core.config import DataConfig
     from assay.core.data import load_examples
 
     out = tmp_path / "idx"
-    args = [
-        "build",
-        str(out),
-        "--model",
-        str(tiny_model_dir),
-        "--dataset",
-        str(texts_jsonl),
-        "--precision",
-        "fp32",
-    ]
-    assert main([*args, "--projection_dim", "8"]) == 0
+    _build_index(out, tiny_model_dir, texts_jsonl)
     index = assay.open_index(out)
     setup = setup_from_index(index, device="cpu")
     sae_dir = save_sae(tmp_path / "sae", random_sae(32, 64, seed=3, architecture="standard"), "standard")
@@ -290,17 +279,7 @@ def test_score_cli_attributes_a_latent(tmp_path, tiny_model_dir, texts_jsonl, ca
     from assay.cli import main
 
     idx, sae_dir = tmp_path / "idx", tmp_path / "sae"
-    args = [
-        "build",
-        str(idx),
-        "--model",
-        str(tiny_model_dir),
-        "--dataset",
-        str(texts_jsonl),
-        "--precision",
-        "fp32",
-    ]
-    assert main([*args, "--projection_dim", "8"]) == 0
+    _build_index(idx, tiny_model_dir, texts_jsonl)
     tensors = random_sae(32, 64, seed=3, architecture="standard")
     tensors["b_enc"][7] = 5.0  # latent 7 fires everywhere
     tensors["b_enc"][8] = -1e3  # latent 8 never fires
@@ -336,3 +315,11 @@ def test_score_cli_attributes_a_latent(tmp_path, tiny_model_dir, texts_jsonl, ca
     picked = ScoreConfig(out=str(tmp_path / "picked"), index=str(idx), query_text=tuple(texts), mode="inner")
     score_latent(picked, str(sae_dir))  # no latent given: the one most active on the queries (7)
     assert json.loads((tmp_path / "picked" / "config.json").read_text())["config"]["latent"] == 7
+
+
+def _build_index(out, model_dir, data) -> None:
+    """A small fp32 index (p = 8) of the test texts, through the CLI."""
+    from assay.cli import main
+
+    args = ["build", str(out), "--model", str(model_dir), "--dataset", str(data), "--precision", "fp32"]
+    assert main([*args, "--projection_dim", "8"]) == 0
