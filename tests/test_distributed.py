@@ -113,6 +113,33 @@ def test_build_two_processes_equal_one(built):
         torch.testing.assert_close(s2[name], s1[name], rtol=1e-5, atol=1e-6)
 
 
+def test_build_fsdp_two_processes_equal_one(tmp_path, built, tiny_model_dir, many_jsonl):
+    """--fsdp: sharded weights (gathered per decoder block), the normalizer estimated by all ranks
+    together from gathered gradients; fp32, so rows and statistics match to summation order."""
+    import assay
+
+    args = ["--model", str(tiny_model_dir), "--dataset", str(many_jsonl), *BUILD_FLAGS, "--fsdp"]
+    _ok(torchrun("-m", "assay", "build", str(tmp_path / "fsdp"), *args))
+    one, two = assay.open_index(built[0]), assay.open_index(tmp_path / "fsdp")
+    assert two.meta["model"]["fingerprint"] == one.meta["model"]["fingerprint"]  # of the whole weights
+    np.testing.assert_array_equal(one.ids, two.ids)
+    np.testing.assert_allclose(two.gradients, one.gradients, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(two.losses, one.losses, rtol=1e-6, atol=1e-6)
+    for key, value in one.normalizer_tensors().items():
+        torch.testing.assert_close(two.normalizer_tensors()[key], value, rtol=1e-6, atol=0)
+    (s1, _), (s2, _) = one.preconditioner_stats(), two.preconditioner_stats()
+    for name in s1:
+        torch.testing.assert_close(s2[name], s1[name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("command", ["build"])
+def test_fsdp_in_one_process_is_refused_before_writing(command, tmp_path):
+    from assay.cli import main
+
+    assert main([command, str(tmp_path / "out"), "--fsdp"]) == 2
+    assert not any(tmp_path.iterdir())
+
+
 def test_build_run_folder_holds_each_ranks_progress(built):
     _, two = built
     names = {p.name for p in two.iterdir()}

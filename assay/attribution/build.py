@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -29,6 +30,7 @@ from assay.attribution.normalizers import (
     sample_positions,
 )
 from assay.attribution.projection import Projector
+from assay.core import fsdp
 from assay.core.config import DataConfig, ModelConfig, RuntimeConfig
 from assay.core.console import note, say
 from assay.core.data import Examples, collate, load_examples, token_batches, tokenizer_fingerprint
@@ -80,6 +82,9 @@ class BuildConfig:
     """Also save per-module sums of g gᵀ (fp32) for TrackStar's R^(-1/2) at scoring time."""
     stats_samples: int = 10000
     """Examples (a seeded sample of the index) the preconditioner statistics sum over."""
+    fsdp: bool = False
+    """Under torchrun: shard the model's weights over the processes (FSDP2, one unit per decoder
+    block) for models that do not fit on one device. Same index; see docs/distributed.md."""
     overwrite: bool = False
     """Replace a finished index in OUT."""
 
@@ -163,14 +168,21 @@ def setup_from_index(index: ix.GradientIndex, device: str = "auto") -> GradientS
 
 # --- the command --------------------------------------------------------------------------------
 def run_build(cfg: BuildConfig) -> dict[str, Any]:
+    dist = Distributed.current()
+    if cfg.fsdp:
+        fsdp.require_processes(dist)  # before OUT.part exists
     with run_folder(cfg.out, "build", cfg, cfg.overwrite) as run:
         _, policy = setup_runtime(cfg.runtime)
         tokenizer = load_tokenizer(cfg.model)
         _, examples = load_examples(cfg.data, tokenizer)
-        model = load_model(cfg.model, policy, cfg.runtime.attention)
+        if cfg.fsdp:
+            model = fsdp.load_sharded_model(cfg.model, policy, cfg.runtime.attention, dist)
+        else:
+            model = load_model(cfg.model, policy, cfg.runtime.attention)
         modules = linear_modules(model, cfg.modules)
-        dist = Distributed.current()
-        with dist.main_first():  # rank 0 estimates and saves it; the others then load that file
+        # Rank 0 estimates the normalizer and saves it, the others then load that file; with
+        # sharded weights every rank must join its forward/backward passes, so all estimate.
+        with nullcontext() if cfg.fsdp else dist.main_first():
             normalizer = _normalizer(cfg, run.path, model, modules, examples, policy, tokenizer.pad_token_id)
         projector = Projector(cfg.projection_dim, cfg.projection_seed)
         setup = GradientSetup(
@@ -236,10 +248,19 @@ def _normalizer(cfg, folder: Path, model, modules, examples, policy, pad_id) -> 
     else:
         sample = examples.subset(sample_positions(len(examples), cfg.normalizer_samples, cfg.runtime.seed))
         note(f"estimating {cfg.normalizer} second moments from {len(sample)} examples")
-        normalizer = estimate_normalizer(
-            cfg.normalizer, model, modules, sample, policy, pad_id, cfg.token_batch_size, cfg.normalizer_beta2
-        )
-    normalizer.save(path)
+        with fsdp.same_batch_on_every_rank(model):  # --fsdp: all ranks run the sample together
+            normalizer = estimate_normalizer(
+                cfg.normalizer,
+                model,
+                modules,
+                sample,
+                policy,
+                pad_id,
+                cfg.token_batch_size,
+                cfg.normalizer_beta2,
+            )
+    if Distributed.current().is_main:
+        normalizer.save(path)
     return normalizer
 
 
@@ -271,27 +292,31 @@ def write_rows(setup: GradientSetup, examples: Examples, folder: Path, cfg: Buil
         (grads_out, losses_out, tokens_out), fresh = _open_arrays(folder, len(examples), dim, cfg.store_dtype)
     fresh = bool(dist.broadcast_object(fresh))
     # Each rank takes every world-th batch (length-sorted, so shares are balanced) and writes
-    # its own rows; no collective runs inside the loop, so share sizes may differ by one.
-    batches = dist.interleave(token_batches(examples, cfg.token_batch_size))
+    # its own rows. Every rank runs the same number of batches (a short share repeats a batch
+    # and discards its rows): with --fsdp each forward/backward is a collective.
+    every = token_batches(examples, cfg.token_batch_size)
+    batches = dist.interleave_padded(every)
     progress = folder / dist.rank_file(PROGRESS_FILE)
     done = int(read_json(progress)["batches_done"]) if progress.exists() and not fresh else 0
+    done = min(dist.gather(done))  # ranks resume in step (redoing a batch gives the same rows)
     if done:
         note(f"resuming: {done} of {len(batches)} batches already done")
     loss_tokens = examples.num_loss_tokens()
-    initial = int(sum(len(b) for b in batches[:done]))
-    total = int(sum(len(b) for b in batches))
+    initial = int(sum(len(b) for b in batches[:done] if b is not None))
+    total = int(sum(len(b) for b in batches if b is not None))
     with Progress(total, "build", enabled=dist.is_main, initial=initial) as bar:
-        todo = batches[done:]
+        todo = [every[0] if b is None else b for b in batches[done:]]
         for k, (positions, grads, losses, batch) in enumerate(
             iter_gradients(setup, examples, todo), done + 1
         ):
-            grads_out[positions] = _to_store(grads, cfg.store_dtype)
-            losses_out[positions] = losses.cpu().numpy()
-            tokens_out[positions] = loss_tokens[positions]
-            for arr in (grads_out, losses_out, tokens_out):
-                arr.flush()  # type: ignore[attr-defined]
+            if batches[k - 1] is not None:
+                grads_out[positions] = _to_store(grads, cfg.store_dtype)
+                losses_out[positions] = losses.cpu().numpy()
+                tokens_out[positions] = loss_tokens[positions]
+                for arr in (grads_out, losses_out, tokens_out):
+                    arr.flush()  # type: ignore[attr-defined]
+                bar.update(len(positions), int(batch["attention_mask"].sum()))
             write_json(progress, {"batches_done": k, "num_batches": len(batches)})
-            bar.update(len(positions), int(batch["attention_mask"].sum()))
         elapsed = max(time.perf_counter() - bar.start, 1e-9)
     tokens, resumed = dist.sum_scalars(bar.tokens, done)
     elapsed = max(dist.gather(elapsed))  # the job's wall time is the slowest rank's

@@ -27,6 +27,7 @@ from torch import nn
 
 from assay.core.data import Examples, collate, token_batches
 from assay.core.errors import AssayError
+from assay.core.fsdp import full_tensor
 from assay.core.lm import token_losses
 from assay.core.precision import STATS_DTYPE, PrecisionPolicy, full_precision
 
@@ -135,7 +136,7 @@ def estimate_normalizer(
             with full_precision(policy.device), torch.no_grad():
                 for name, m in modules.items():
                     weight: Any = m.weight
-                    g = weight.grad.to(STATS_DTYPE)
+                    g = full_tensor(weight.grad).to(STATS_DTYPE)  # --fsdp: the gathered gradient
                     g = g.T if is_conv1d(m) else g  # [out, in]
                     sq = torch.square(g) + (TINY if kind == "adafactor" else 0.0)
                     prev = moments.get(name, torch.zeros_like(sq))

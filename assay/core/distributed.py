@@ -98,6 +98,14 @@ class Distributed:
         a length-sorted list (each rank gets short and long items alike)."""
         return list(items[self.rank :: self.world_size])
 
+    def interleave_padded(self, items: Sequence[T]) -> list[T | None]:
+        """items[rank::world] padded with None to ceil(n / world) items: balanced like
+        `interleave`, and every rank takes the same number of steps like `shard`."""
+        if not self.active:
+            return list(items)
+        mine: list[T | None] = list(items[self.rank :: self.world_size])
+        return mine + [None] * (-(-len(items) // self.world_size) - len(mine))
+
     def interleave_array(self, array: np.ndarray) -> np.ndarray:
         """array[rank::world] (a view; the whole array in one process)."""
         return array[self.rank :: self.world_size]

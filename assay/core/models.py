@@ -139,9 +139,12 @@ def attach_adapter(model: Any, cfg: ModelConfig) -> Any:
 def model_fingerprint(model: Any) -> str:
     """A short hash of the architecture and the weights: refuses mixing models by accident."""
     h = hashlib.sha256(model.config.to_json_string(use_diff=False).encode())
+    from assay.core.fsdp import full_tensor
+
     with torch.no_grad():
         for name, p in model.named_parameters():
-            h.update(f"{name}{tuple(p.shape)}{float(p.double().sum()):.6e}".encode())
+            whole = full_tensor(p)  # --fsdp: every rank gathers it (one parameter at a time)
+            h.update(f"{name}{tuple(p.shape)}{float(whole.double().sum()):.6e}".encode())
     return h.hexdigest()[:16]
 
 

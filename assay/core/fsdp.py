@@ -1,0 +1,131 @@
+"""FSDP2 (`fully_shard`) for models that do not fit on one device: the one place that shards.
+
+`shard_model` shards every decoder block, then the root (embeddings, final norm, head), over
+all torchrun processes: each process keeps 1/W of every parameter and gathers one block's
+full weights only while that block runs (forward and backward). Training stays data parallel
+(each rank its own examples); FSDP reduce-scatters the gradients itself, so callers must not
+all-reduce them again.
+
+Precision: no FSDP MixedPrecisionPolicy for compute; the project's autocast over fp32 master
+weights runs inside the sharded blocks as it does without FSDP. Only the gradient reduction
+dtype is pinned to fp32 (as every other reduction in assay), which matters for bf16-pure.
+
+Sharded parameters are DTensors; `full_tensor` and `like` convert between them and plain
+full tensors for saving and loading (both are collectives when sharded: every rank calls).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from assay.core.distributed import Distributed
+from assay.core.errors import AssayError
+
+
+def require_processes(dist: Distributed) -> None:
+    """--fsdp shards over torchrun's processes: one process has nothing to shard over."""
+    if not dist.active:
+        raise AssayError(
+            "--fsdp shards the model over torchrun's processes; launch with "
+            "`torchrun --nproc_per_node N -m assay ...` (N >= 2), or drop --fsdp in one process"
+        )
+
+
+def decoder_blocks(model: nn.Module) -> nn.ModuleList:
+    """The model's list of repeated decoder blocks: the nn.ModuleList holding most parameters
+    (`model.layers` in Llama, `transformer.h` in GPT-2; found the same way under a PEFT wrapper)."""
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    if not lists:
+        raise AssayError("--fsdp found no list of decoder blocks in this model; run it without --fsdp")
+    return max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
+
+
+def shard_model(model: nn.Module, dist: Distributed) -> nn.Module:
+    """Shard `model` in place: each decoder block is one FSDP unit, the rest is the root unit.
+
+    Gradients are summed over ranks (divide factor 1), not averaged: assay's losses are already
+    divided by the whole batch's token count, exactly as for the hand-written DDP reduction.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    require_processes(dist)
+    import torch.distributed as tdist
+
+    device = "cuda" if tdist.get_backend() == "nccl" else "cpu"  # where Distributed put this rank
+    mesh = init_device_mesh(device, (dist.world_size,))
+    policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)  # compute: the project's autocast
+    for block in decoder_blocks(model):
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    for unit in model.modules():
+        if isinstance(unit, FSDPModule):
+            unit.set_gradient_divide_factor(1.0)
+    return model
+
+
+def load_sharded_model(model_cfg: Any, policy: Any, attention: str, dist: Distributed) -> nn.Module:
+    """`load_model` for --fsdp: loaded on the CPU (a model larger than one GPU never sits on it
+    whole), rank 0's weights on every rank (a fresh LoRA starts identical), then sharded onto
+    this rank's device."""
+    from dataclasses import replace
+
+    from assay.core.models import load_model
+
+    require_processes(dist)
+    model = load_model(model_cfg, replace(policy, device=torch.device("cpu")), attention)
+    dist.broadcast_module_(model)
+    return shard_model(model, dist)
+
+
+@contextmanager
+def same_batch_on_every_rank(model: nn.Module) -> Iterator[None]:
+    """Inside the block every rank runs the SAME batches (sharded weights, no data split):
+    gradients are averaged over ranks, so they equal one process's. A no-op when not sharded."""
+    units = [m for m in model.modules() if is_sharded(m)]
+    for unit in units:
+        unit.set_gradient_divide_factor(float(Distributed.current().world_size))  # type: ignore[operator]
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.set_gradient_divide_factor(1.0)  # type: ignore[operator]
+
+
+def is_sharded(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a sharded DTensor (an all-gather: every rank calls); else `t`."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def like(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """`full` (a whole tensor every rank holds) laid out as `param`: this rank's shard of it
+    when `param` is sharded, else `full` itself, in `param`'s dtype and device."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    full = full.to(param.device if not isinstance(param, DTensor) else full.device, param.dtype)
+    if isinstance(param, DTensor):
+        local = full.to(param.to_local().device)
+        return distribute_tensor(local, param.device_mesh, param.placements, src_data_rank=None)
+    return full
+
+
+def full_state_dict(model: nn.Module) -> dict[str, Any]:
+    """Every weight of a sharded model, whole, on CPU, on rank 0 (empty on the others): what
+    `save_pretrained` writes. A collective: every rank calls it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=options)
