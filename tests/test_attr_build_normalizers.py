@@ -135,7 +135,8 @@ def test_estimate_is_the_optimizer_update_and_stays_fp32():
     model.zero_grad()
     loss.backward()
     for name, m in modules.items():
-        torch.testing.assert_close(est.tensors[name], m.weight.grad.square(), rtol=1e-4, atol=1e-12)
+        ref = m.weight.grad.square()
+        assert float((est.tensors[name] - ref).norm() / ref.norm()) < 1e-5, name  # fp32 rounding
     bf = estimate_normalizer("adafactor", model, modules, examples, BF16, pad_id=0, token_batch_size=4096)
     assert all(t.dtype == torch.float32 for t in bf.tensors.values())
     assert all(p.grad is None for p in model.parameters())

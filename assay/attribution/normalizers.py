@@ -28,7 +28,7 @@ from torch import nn
 from assay.core.data import Examples, collate, token_batches
 from assay.core.errors import AssayError
 from assay.core.fsdp import full_tensor
-from assay.core.lm import token_losses
+from assay.core.lm import example_losses
 from assay.core.precision import STATS_DTYPE, PrecisionPolicy, full_precision
 
 ADAM_EPS = 1e-8
@@ -126,9 +126,8 @@ def estimate_normalizer(
         for positions in token_batches(examples, token_batch_size):
             batch = collate(examples, positions, pad_id, policy.device)
             with policy.autocast():
-                logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+                losses = example_losses(model, batch)  # [B] fp32
             with full_precision(policy.device):
-                losses = token_losses(logits, batch["labels"])  # [B, T] fp32
                 loss = losses.sum() / (batch["labels"][:, 1:] != -100).sum().clamp_min(1)
             model.zero_grad(set_to_none=True)
             loss.backward()

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from assay.core.data import Examples, collate, token_batches
+from assay.core.head_loss import chunked_head_losses, fusable_head, head_bypassed
 from assay.core.precision import PrecisionPolicy, full_precision
 from assay.core.progress import Progress
 
@@ -20,7 +21,17 @@ def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def example_losses(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """[B] summed token loss of each example (the loss whose gradient we attribute)."""
+    """[B] summed token loss of each example (the loss whose gradient we attribute).
+
+    The head and its loss run chunk-wise where that is exact (see `assay.core.head_loss`), so
+    the [tokens, vocabulary] logits are never held at once.
+    """
+    head = fusable_head(model)
+    if head is not None:
+        with head_bypassed(model, head) as captured:
+            model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        assert captured.hidden is not None
+        return chunked_head_losses(captured.hidden, head, batch["labels"])
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     with full_precision(logits.device):
         return token_losses(logits, batch["labels"]).sum(dim=1)

@@ -1,0 +1,145 @@
+"""The output head and its cross-entropy, computed a few hundred tokens at a time.
+
+A causal LM's logits are [tokens, vocabulary]: at SmolLM2's 49k vocabulary and 4k tokens a
+batch, the fp32 logits, their log-softmax and their gradient take ~2.4 GB, more than the rest of
+a gradient-collection step. When the head's weight needs no gradient (gradient collection, LoRA
+fine-tuning), the gradient of each token's loss with respect to the head's input is known as soon
+as the loss is: (softmax − one-hot) · W. So `chunked_head_losses` computes logits, loss and that
+gradient chunk by chunk in the forward pass and keeps only the [tokens, hidden] gradient; peak
+memory no longer grows with the vocabulary.
+
+Numerics follow the plain path (`logits = head(h)` under the precision policy, then fp32
+cross-entropy): the head's matmuls run in the autocast dtype when autocast is on, the softmax and
+loss in fp32; under fp16 the gradient matmul runs in fp32 (no loss-scale is known in the forward,
+so small probabilities would underflow in fp16).
+
+Used only where it is exact: model types whose logits are the head's output as is (no
+soft-capping or logit scaling), a head that is an `nn.Linear` without hooks and without
+`requires_grad`. Everything else takes the plain path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+# Model types whose causal-LM forward returns `lm_head(last_hidden_state)` unchanged.
+PLAIN_HEAD_MODEL_TYPES = frozenset(
+    {"llama", "mistral", "qwen2", "qwen3", "gpt2", "gpt_neox", "olmo", "olmo2", "phi3", "gemma", "smollm3"}
+)
+CHUNK_ELEMENTS = 2**24  # logits per chunk: 64 MB in fp32
+
+
+def fusable_head(model: nn.Module) -> nn.Linear | None:
+    """The model's output head if its loss can be computed chunk-wise exactly, else None."""
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) not in PLAIN_HEAD_MODEL_TYPES:
+        return None
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    if type(head) is not nn.Linear:  # LoRA-wrapped or custom heads take the plain path
+        return None
+    trainable = any(p.requires_grad for p in head.parameters())
+    hooked = bool(head._forward_hooks or head._forward_pre_hooks or head._backward_hooks)
+    return None if trainable or hooked else head
+
+
+class _Capture(nn.Module):
+    """Stands in for the head for one forward: records its input, returns it unchanged."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hidden: torch.Tensor | None = None
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        self.hidden = hidden
+        return hidden
+
+
+@contextmanager
+def head_bypassed(model: nn.Module, head: nn.Module) -> Iterator[_Capture]:
+    """Within the block the model's forward skips its head; `.hidden` holds the head's input."""
+    parent, attr = next((m, n) for m in model.modules() for n, child in m.named_children() if child is head)
+    capture = _Capture()
+    setattr(parent, attr, capture)
+    try:
+        yield capture
+    finally:
+        setattr(parent, attr, head)
+
+
+def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
+    device = hidden.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+
+
+class _ChunkedHeadLoss(torch.autograd.Function):
+    """[N] fp32 token losses of hidden [N, H] under head (W [V, H], b); d loss/d hidden kept."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        targets: torch.Tensor,
+        dtype: torch.dtype,
+        need_grad: bool,
+    ) -> torch.Tensor:
+        with torch.autocast(hidden.device.type, enabled=False):  # dtypes are chosen explicitly
+            return _ChunkedHeadLoss._losses(ctx, hidden, weight, bias, targets, dtype, need_grad)
+
+    @staticmethod
+    def _losses(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        targets: torch.Tensor,
+        dtype: torch.dtype,
+        need_grad: bool,
+    ) -> torch.Tensor:
+        w = weight.to(dtype)
+        b = None if bias is None else bias.to(dtype)
+        grad_dtype = torch.float32 if dtype == torch.float16 else dtype
+        w_grad = w.to(grad_dtype)
+        chunk = max(1, CHUNK_ELEMENTS // weight.shape[0])
+        losses = hidden.new_empty(hidden.shape[0], dtype=torch.float32)
+        grads = torch.empty_like(hidden, dtype=torch.float32) if need_grad else None
+        for start in range(0, hidden.shape[0], chunk):
+            rows = slice(start, start + chunk)
+            logits = torch.nn.functional.linear(hidden[rows].to(dtype), w, b).float()  # [c, V]
+            target = targets[rows, None]
+            picked = logits.gather(1, target)[:, 0]
+            lse = torch.logsumexp(logits, dim=1)
+            losses[rows] = lse - picked
+            if grads is not None:
+                probs = logits.sub_(lse[:, None]).exp_()  # softmax, in place: one [c, V] buffer
+                probs.scatter_add_(1, target, probs.new_full(target.shape, -1.0))
+                grads[rows] = (probs.to(grad_dtype) @ w_grad).float()
+        ctx.save_for_backward(grads)
+        ctx.hidden_dtype = hidden.dtype
+        return losses
+
+    @staticmethod
+    def backward(ctx: Any, grad_losses: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        (grads,) = ctx.saved_tensors
+        grad_hidden = (grads * grad_losses[:, None].float()).to(ctx.hidden_dtype)
+        return grad_hidden, None, None, None, None, None
+
+
+def chunked_head_losses(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor) -> torch.Tensor:
+    """[B] summed next-token loss of each example from the head's input hidden [B, T, H]."""
+    targets = labels[:, 1:]  # position t predicts token t + 1
+    keep = targets != -100  # [B, T-1]
+    rows = hidden[:, :-1][keep]  # [N, H]: only positions with a target
+    need_grad = torch.is_grad_enabled() and rows.requires_grad
+    losses = _ChunkedHeadLoss.apply(
+        rows, head.weight, head.bias, targets[keep], _compute_dtype(hidden), need_grad
+    )
+    example = torch.arange(labels.shape[0], device=labels.device)[:, None].expand_as(keep)[keep]
+    return losses.new_zeros(labels.shape[0]).index_add(0, example, losses)

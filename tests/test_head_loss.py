@@ -1,0 +1,86 @@
+"""The chunked head + cross-entropy equals the plain logits path, and is used only where exact."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from assay.core import head_loss
+from assay.core.data import collate
+from assay.core.head_loss import fusable_head
+from assay.core.lm import example_losses, token_losses
+from assay.core.precision import PrecisionPolicy
+from tests.test_collector import random_examples, tiny_gpt2, tiny_llama
+
+
+def plain_losses(model, batch):
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    return token_losses(logits, batch["labels"]).sum(dim=1)
+
+
+def frozen_head(model):
+    """Head (and, tied, the embedding) frozen, as in gradient collection or LoRA training."""
+    model.get_output_embeddings().weight.requires_grad_(False)
+    return model
+
+
+def losses_and_grads(model, batch, objective, policy):
+    model.zero_grad(set_to_none=True)
+    with policy.autocast():
+        losses = objective(model, batch)
+    (losses * torch.linspace(0.5, 2.0, len(losses))).sum().backward()  # unequal weights per example
+    grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad])
+    return losses.detach(), grads
+
+
+def batch_with_prompts():
+    examples = random_examples([7, 19, 12, 3], loss_start=[1, 5, 1, 2])
+    return collate(examples, np.arange(4), pad_id=0)
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gpt2])
+def test_chunked_head_equals_plain_logits_fp32(make, monkeypatch):
+    monkeypatch.setattr(head_loss, "CHUNK_ELEMENTS", 128 * 5)  # 5 tokens a chunk: many chunks
+    model, batch = frozen_head(make()), batch_with_prompts()
+    policy = PrecisionPolicy.resolve("fp32", torch.device("cpu"))
+    assert fusable_head(model) is not None
+    fused = losses_and_grads(model, batch, example_losses, policy)
+    plain = losses_and_grads(model, batch, plain_losses, policy)
+    torch.testing.assert_close(fused[0], plain[0], rtol=1e-6, atol=1e-5)
+    assert float((fused[1] - plain[1]).norm() / plain[1].norm()) < 1e-5  # fp32 summation order
+
+
+def test_chunked_head_follows_bf16_autocast():
+    model, batch = frozen_head(tiny_llama()), batch_with_prompts()
+    bf16 = PrecisionPolicy.resolve("bf16", torch.device("cpu"))
+    fused = losses_and_grads(model, batch, example_losses, bf16)
+    plain = losses_and_grads(model, batch, plain_losses, bf16)
+    # the same bf16 head matmuls and fp32 softmax: equal up to bf16 rounding of the gradient
+    torch.testing.assert_close(fused[0], plain[0], rtol=1e-3, atol=1e-3)
+    cos = torch.nn.functional.cosine_similarity(fused[1], plain[1], dim=0)
+    assert cos > 0.999
+
+
+def test_no_grad_losses_match():
+    model, batch = tiny_llama(), batch_with_prompts()
+    model.get_output_embeddings().weight.requires_grad_(False)
+    with torch.no_grad():
+        torch.testing.assert_close(example_losses(model, batch), plain_losses(model, batch))
+
+
+def test_plain_path_where_chunking_would_be_wrong():
+    model = tiny_llama()
+    assert fusable_head(model) is None, "a trainable head needs its weight gradient"
+    frozen_head(model)
+    handle = model.get_output_embeddings().register_forward_hook(lambda *a: None)
+    assert fusable_head(model) is None, "a hooked head (collected or spliced) must run"
+    handle.remove()
+    assert fusable_head(model) is not None
+    model.config.model_type = "gemma2"  # soft-caps its logits after the head
+    assert fusable_head(model) is None
+    model.config.model_type = "llama"
+    batch = batch_with_prompts()
+    before = model.get_output_embeddings()
+    example_losses(model, batch)
+    assert model.get_output_embeddings() is before, "the head is restored after the forward"
