@@ -2,9 +2,11 @@
 
 Each case runs in its own subprocess so its peak resident memory (ru_maxrss) is its own:
   matmul     the whole [N, D] fp32 matrix in RAM, one `queries @ rows.T` (the floor)
-  <mode>     the streaming kernel over the fp16 .npy index on disk (warm page cache):
-             read chunk -> fp32 -> mode's transform -> GEMM -> running top-k
+  <mode>     the streaming kernel over the .npy index on disk (warm page cache; --dtype float16
+             or float32, the two `assay build --store_dtype` choices):
+             read chunk -> fp32 blocks -> GEMM (+ the mode's row norms) -> running top-k
 Usage: python bench/bench_score.py [--rows 100000] [--dim 3584] [--queries 4] [--repeats 3] [--rounds 3]
+                                   [--dtype float16]
 Ratios are medians over rounds of each case's time over the matmul's time in the same round.
 """
 
@@ -24,10 +26,10 @@ import torch
 MODULE_DIM = 256  # p = 16 per side
 
 
-def make_index(path: Path, rows: int, dim: int, seed: int = 0) -> None:
-    """A synthetic fp16 index file, written in chunks (never whole in RAM)."""
+def make_index(path: Path, rows: int, dim: int, seed: int = 0, dtype: str = "float16") -> None:
+    """A synthetic index file, written in chunks (never whole in RAM)."""
     rng = np.random.default_rng(seed)
-    out = np.lib.format.open_memmap(path, mode="w+", dtype=np.float16, shape=(rows, dim))
+    out = np.lib.format.open_memmap(path, mode="w+", dtype=np.dtype(dtype), shape=(rows, dim))
     for start in range(0, rows, 8192):
         stop = min(start + 8192, rows)
         out[start:stop] = rng.standard_normal((stop - start, dim), dtype=np.float32) * 1e-2
@@ -70,7 +72,7 @@ def run_case(case: str, path: Path, queries: int, repeats: int) -> dict:
     times, extra = [], {}
     chunk = auto_chunk_rows(dim)
     if case == "matmul":
-        full = torch.from_numpy(np.asarray(rows, dtype=np.float32))  # the whole matrix in RAM
+        full = torch.from_numpy(np.array(rows, dtype=np.float32))  # the whole matrix in RAM (a copy)
         for _ in range(repeats + 1):
             t = time.perf_counter()
             _ = q @ full.T
@@ -124,6 +126,7 @@ def main() -> None:
     ap.add_argument("--queries", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--dtype", default="float16", choices=["float16", "float32"])
     ap.add_argument("--cases", default="matmul,inner,cosine,influence,trackstar,trackstar-cached")
     ap.add_argument("--case", help=argparse.SUPPRESS)
     ap.add_argument("--path", help=argparse.SUPPRESS)
@@ -133,10 +136,10 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "gradients.npy"
-        make_index(path, args.rows, args.dim)
+        make_index(path, args.rows, args.dim, dtype=args.dtype)
         size = path.stat().st_size / 2**20
         print(
-            f"index: {args.rows:,} rows x {args.dim} fp16 = {size:,.0f} MiB; {args.queries} queries; "
+            f"index: {args.rows:,} rows x {args.dim} {args.dtype} = {size:,.0f} MiB; {args.queries} queries; "
             f"torch threads {torch.get_num_threads()}"
         )
         norms_seconds = None

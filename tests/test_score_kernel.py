@@ -19,17 +19,19 @@ from assay.attribution.precondition import build_whitening, second_moment_sums
 from assay.core.errors import AssayError
 
 SLICES = {"m0": slice(0, 8), "m1": slice(8, 24), "m2": slice(24, 32)}
+EVEN_SLICES = {f"m{i}": slice(8 * i, 8 * i + 8) for i in range(4)}  # the batched (bmm) path
 
 
-@pytest.fixture(scope="module")
-def data():
+@pytest.fixture(scope="module", params=["uneven", "even"])
+def data(request):
     rng = np.random.default_rng(0)
     train = (rng.normal(size=(1000, 32)) @ rng.normal(size=(32, 32))).astype(np.float32)
     train[17] = 0.0  # an all-zero gradient must score 0, not NaN
     queries = (rng.normal(size=(4, 32)) @ rng.normal(size=(32, 32))).astype(np.float32)
     train[500] = queries[2] * 1.001  # a near-copy of a query: the low-rank norms nearly cancel here
-    sums = second_moment_sums(torch.from_numpy(train), SLICES)
-    whitening = build_whitening(sums, len(train), torch.from_numpy(queries), SLICES, None, 0.1)
+    slices = EVEN_SLICES if request.param == "even" else SLICES
+    sums = second_moment_sums(torch.from_numpy(train), slices)
+    whitening = build_whitening(sums, len(train), torch.from_numpy(queries), slices, None, 0.1)
     return train, queries, whitening
 
 
@@ -44,7 +46,7 @@ def _reference(train, queries, whitening, mode, aggregate):
 
     def white(x):
         out = x.copy()
-        for name, sl in SLICES.items():
+        for name, sl in whitening.slices.items():
             out[:, sl] = x[:, sl] @ whitening.matrices[name].double().numpy()
         return out
 
@@ -73,6 +75,8 @@ def test_chunked_equals_brute_force(data, mode, aggregate):
     ref = _reference(train, queries, whitening, mode, aggregate)
     plan = plan_queries(torch.from_numpy(queries), mode, aggregate, whitening, base)
     assert plan.row_norm == ("lowrank" if base is not None else plan.row_norm)
+    even = whitening.slices == EVEN_SLICES
+    assert (plan.stacked is not None) == (base is not None and even)  # both lowrank paths are checked
     out = np.zeros(ref.shape, dtype=np.float32)
     top = score_rows(TensorRows(torch.from_numpy(train)), plan, top_k=7, scores_out=out, chunk_rows=97)
     scale = np.abs(ref).max()
@@ -98,24 +102,25 @@ def test_result_does_not_depend_on_chunking(data, chunk_rows):
     assert top.top_rows.shape == (4, 3)
 
 
-def test_memmap_file_rows_fp16_with_row_scales(data, tmp_path):
-    """Rows read from a .npy file (fp16 + per-row scale) score like the same values in memory."""
+def test_memmap_file_rows_fp16(data, tmp_path):
+    """Rows read from a .npy fp16 file score like the same values in memory, on any worker count."""
     train, queries, whitening = data
-    scales = np.linspace(0.5, 4.0, len(train)).astype(np.float32)
-    stored = (train / scales[:, None]).astype(np.float16)
+    stored = train.astype(np.float16)
     np.save(tmp_path / "g.npy", stored)
     mm = np.load(tmp_path / "g.npy", mmap_mode="r")
-    source = ArrayRows(mm, scales)
+    source = ArrayRows(mm)
     assert source._file is not None  # read through the file, not the mapping
-    exact = stored.astype(np.float32) * scales[:, None]
+    exact = stored.astype(np.float32)
     np.testing.assert_array_equal(source.read(100, 230).numpy(), exact[100:230])
+    assert source.read_raw(100, 230).dtype == torch.float16  # cast later, a cache-sized block at a time
     for mode in MODES:
         plan = plan_queries(torch.from_numpy(queries), mode, "none", whitening)
-        got = np.zeros((4, 1000), np.float32)
         want = np.zeros((4, 1000), np.float32)
-        score_rows(source, plan, scores_out=got, chunk_rows=128)
         score_rows(TensorRows(torch.from_numpy(exact)), plan, scores_out=want, chunk_rows=128)
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
+        for workers in (1, 3):
+            got = np.zeros((4, 1000), np.float32)
+            score_rows(source, plan, scores_out=got, chunk_rows=128, workers=workers)
+            np.testing.assert_array_equal(got, want)  # same blocks, same arithmetic: bit-identical
     assert ArrayRows(mm[10:20])._file is None  # a slice keeps its parent's offset: not a file region
 
 

@@ -1,18 +1,26 @@
-"""The scoring kernel: stream index rows in chunks, one GEMM per chunk, running top-k.
+"""The scoring kernel: stream index rows in chunks, GEMMs on cache-sized blocks, running top-k.
 
 The (few) queries are transformed once into a matrix V [A, D] such that every mode's score is
 `V @ t / norm(t)` for an index row t. For TrackStar, with W = R^{-1/2} (symmetric) and
 u = unit(W q):  ⟨u, unit(W t)⟩ = ⟨W u, t⟩ / ‖W t‖ — so the whitening is folded into the
-queries and each chunk needs only the row norms ‖W t‖ (one d×d matmul per module) besides the
-GEMM. Chunks are read from the memory-mapped file with plain reads into a reused buffer (the
-process's memory stays bounded whatever N is; the OS page cache does the rest), and the next
-chunk is read on a second thread while the current one is scored.
+queries and each row needs only its norm ‖W t‖ besides the GEMM (from a per-index cache plus a
+small per-module product; see `LowRank`).
+
+Why it is fast: scoring a few queries is memory-bound, so every row should cross the memory bus
+once. A chunk (~8 MiB) is read from the file with plain reads (resident memory stays bounded
+whatever N is; the OS page cache does the rest), then cast to fp32 and scored in blocks of
+~1 MiB that stay in the core's cache between the cast, the GEMM and the norms. Chunks are
+spread over worker threads, one per core, each running single-threaded torch: a few large
+operations per chunk instead of many small multi-threaded ones whose synchronisation would
+cost more than their arithmetic.
 """
 
 from __future__ import annotations
 
+import contextlib
 import mmap
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Literal, Protocol
@@ -29,65 +37,65 @@ Aggregate = Literal["none", "mean", "max"]
 MODES: tuple[str, ...] = ("trackstar", "cosine", "inner", "influence")
 AGGREGATES: tuple[str, ...] = ("none", "mean", "max")
 EPS = 1e-30
+BLOCK_BYTES = 1 << 20  # fp32 rows scored at once: stays in a core's L2 cache
 
 
 class RowSource(Protocol):
-    """Rows of gradients, read as fp32 chunks."""
+    """Rows of gradients, read in chunks."""
 
     num_rows: int
     dim: int
 
-    def read(self, start: int, stop: int, slot: int = 0) -> torch.Tensor:  # [stop-start, D] fp32
-        """Rows start..stop. The result may live in buffer `slot` until that slot is read again."""
+    def read_raw(self, start: int, stop: int, slot: int = 0) -> torch.Tensor:
+        """Rows start..stop [stop-start, D] in their stored float dtype.
+
+        The result may live in buffer `slot` until that slot is read again.
+        """
+        ...
+
+    def read(self, start: int, stop: int, slot: int = 0) -> torch.Tensor:
+        """Rows start..stop as fp32 (same buffer rule)."""
         ...
 
 
 class ArrayRows:
-    """Rows of a numpy array or memmap (fp16/bf16-as-uint16 not supported; fp16/fp32 are).
+    """Rows of a numpy array or memmap (fp16, fp32 or fp64).
 
-    `scales` [N] (optional) multiplies each row after the cast: fp16 storage with per-row
-    scaling keeps large gradients from overflowing. A memmap is read with file reads into
-    one reused buffer, so resident memory stays at a chunk or two however large the file is.
+    A memmap is read with file reads into reused buffers, so resident memory stays at a few
+    chunks however large the file is.
     """
 
-    def __init__(self, array: np.ndarray, scales: np.ndarray | None = None):
+    def __init__(self, array: np.ndarray):
         if array.ndim != 2:
             raise AssayError(f"gradient rows must be a 2-d array, got shape {array.shape}")
         if array.dtype not in (np.float16, np.float32, np.float64):
             raise AssayError(f"unsupported gradient dtype {array.dtype}")
         self.array = array
-        self.scales = scales
         self.num_rows, self.dim = (int(s) for s in array.shape)
         self._file = _backing_file(array)
-        self._slots: dict[int, tuple[np.ndarray, torch.Tensor]] = {}
+        self._slots: dict[int, np.ndarray] = {}
 
-    def read(self, start: int, stop: int, slot: int = 0) -> torch.Tensor:
+    def read_raw(self, start: int, stop: int, slot: int = 0) -> torch.Tensor:
         n = stop - start
-        raw, rows = self._buffers(slot, n)
+        raw = self._buffer(slot, n)[:n]
         if self._file is None:
-            raw[:n] = self.array[start:stop]
+            raw[:] = self.array[start:stop]
         else:
             path, offset = self._file
             with open(path, "rb", buffering=0) as f:
                 f.seek(offset + start * self.dim * self.array.itemsize)
-                if f.readinto(raw[:n].data.cast("B")) != raw[:n].nbytes:
+                if f.readinto(raw.data.cast("B")) != raw.nbytes:
                     raise AssayError(f"{path} is shorter than its header says: a damaged index")
-        if raw.dtype == np.float32:
-            out = torch.from_numpy(raw[:n])  # already fp32: no second copy
-        else:
-            out = rows[:n]
-            out.copy_(torch.from_numpy(raw[:n]))  # the cast to fp32, into a reused buffer
-        if self.scales is not None:
-            out *= torch.from_numpy(np.asarray(self.scales[start:stop], dtype=np.float32))[:, None]
-        return out
+        return torch.from_numpy(raw)
 
-    def _buffers(self, slot: int, n: int) -> tuple[np.ndarray, torch.Tensor]:
-        """(raw [n, D] store dtype, [n, D] fp32) buffers of this slot, grown when needed."""
+    def read(self, start: int, stop: int, slot: int = 0) -> torch.Tensor:
+        return self.read_raw(start, stop, slot).to(STATS_DTYPE)
+
+    def _buffer(self, slot: int, n: int) -> np.ndarray:
+        """The [n, D] stored-dtype buffer of this slot, grown when needed."""
         have = self._slots.get(slot)
-        if have is None or have[0].shape[0] < n:
-            cast = self.array.dtype != np.float32
-            have = (np.empty((n, self.dim), self.array.dtype), torch.empty(n if cast else 0, self.dim))
-            self._slots[slot] = have
+        if have is None or have.shape[0] < n:
+            have = self._slots[slot] = np.empty((n, self.dim), self.array.dtype)
         return have
 
 
@@ -113,6 +121,9 @@ class TensorRows:
         self.tensor = tensor
         self.num_rows, self.dim = (int(s) for s in tensor.shape)
 
+    def read_raw(self, start: int, stop: int, slot: int = 0) -> torch.Tensor:
+        return self.tensor[start:stop]
+
     def read(self, start: int, stop: int, slot: int = 0) -> torch.Tensor:
         return self.tensor[start:stop].to(STATS_DTYPE)
 
@@ -126,6 +137,20 @@ class QueryPlan:
     whitening: Whitening | None
     reduce_max: bool
     base_norms: torch.Tensor | None = None  # [N] fp64 ‖(R_train + δI)^{-1/2} t‖² ("lowrank")
+    stacked: StackedModules | None = None  # "lowrank" with equal-width modules: one bmm per block
+
+
+@dataclass
+class StackedModules:
+    """The "lowrank" chunk work as one batched product over M modules of equal width d.
+
+    Per module m the block's rows t_m [c, d] are multiplied by [V_mᵀ | A_m⁻¹U_m] [d, A+Q]:
+    summing the first A columns over modules gives the scores V t, the last Q columns are the
+    s_m of the Woodbury correction — the rows are read once for both.
+    """
+
+    weights: torch.Tensor  # [M, d, A+Q] fp32
+    kinv: torch.Tensor  # [M, Q, Q] fp64
 
 
 def unit_rows(x: torch.Tensor) -> torch.Tensor:
@@ -171,7 +196,21 @@ def plan_queries(
         assert whitening is not None and whitening.lowrank is not None
         norm, base = "lowrank", torch.from_numpy(np.asarray(base_norms, dtype=np.float64))
     keep = whitening if norm in ("whitened", "lowrank") else None
-    return QueryPlan(v.contiguous(), norm, keep, aggregate == "max", base)
+    stacked = stack_modules(v, whitening) if norm == "lowrank" else None
+    return QueryPlan(v.contiguous(), norm, keep, aggregate == "max", base, stacked)
+
+
+def stack_modules(vectors: torch.Tensor, whitening: Whitening | None) -> StackedModules | None:
+    """The batched form of the "lowrank" work, when the modules tile the columns at one width."""
+    assert whitening is not None and whitening.lowrank is not None
+    lr, slices = whitening.lowrank, list(whitening.slices.values())
+    widths = {sl.stop - sl.start for sl in slices}
+    tiled = all(a.stop == b.start for a, b in zip(slices, slices[1:])) and slices[0].start == 0
+    if not lr.factors or len(widths) != 1 or not tiled or slices[-1].stop != vectors.shape[1]:
+        return None  # λ = 0 (no correction) or uneven modules: the per-module path
+    names = list(whitening.slices)
+    weights = torch.stack([torch.cat([vectors[:, whitening.slices[n]].T, lr.factors[n]], 1) for n in names])
+    return StackedModules(weights.contiguous(), torch.stack([lr.kinv[n] for n in names]))
 
 
 def lowrank_sq_norms(plan: QueryPlan, rows: torch.Tensor, start: int) -> torch.Tensor:
@@ -186,18 +225,48 @@ def lowrank_sq_norms(plan: QueryPlan, rows: torch.Tensor, start: int) -> torch.T
 
 
 def chunk_scores(plan: QueryPlan, rows: torch.Tensor, start: int = 0) -> torch.Tensor:
-    """[A, C] scores of the chunk rows [C, D] (fp32) that start at row `start`."""
-    scores = plan.vectors @ rows.T
-    if plan.row_norm == "raw":
-        scores /= rows.norm(dim=1).clamp_min(EPS)
-    elif plan.row_norm == "whitened":
-        assert plan.whitening is not None
-        scores /= plan.whitening.sq_norms(rows).sqrt().clamp_min(EPS)
-    elif plan.row_norm == "lowrank":
-        scores /= lowrank_sq_norms(plan, rows, start).sqrt().clamp_min(EPS)
+    """[A, C] scores of the chunk rows [C, D] (any float dtype) that start at row `start`.
+
+    Rows are cast to fp32 and scored a cache-sized block at a time (see the module docstring).
+    """
+    out = torch.empty(rows.shape[0], plan.vectors.shape[0])  # [C, A]
+    step = max(16, BLOCK_BYTES // (4 * rows.shape[1]))
+    for s in range(0, rows.shape[0], step):
+        block = rows[s : s + step].to(STATS_DTYPE)
+        out[s : s + step] = block_scores(plan, block, start + s)
+    scores = out.T
     if plan.reduce_max:
         scores = scores.max(dim=0, keepdim=True).values
     return scores
+
+
+def block_scores(plan: QueryPlan, rows: torch.Tensor, start: int) -> torch.Tensor:
+    """[c, A] scores of fp32 rows [c, D] starting at row `start`."""
+    if plan.stacked is not None:
+        return stacked_scores(plan, rows, start)
+    scores = rows @ plan.vectors.T
+    if plan.row_norm == "raw":
+        scores /= torch.linalg.vector_norm(rows, dim=1).clamp_min(EPS)[:, None]
+    elif plan.row_norm == "whitened":
+        assert plan.whitening is not None
+        scores /= plan.whitening.sq_norms(rows).sqrt().clamp_min(EPS)[:, None]
+    elif plan.row_norm == "lowrank":
+        scores /= lowrank_sq_norms(plan, rows, start).sqrt().clamp_min(EPS)[:, None]
+    return scores
+
+
+def stacked_scores(plan: QueryPlan, rows: torch.Tensor, start: int) -> torch.Tensor:
+    """`block_scores` for "lowrank" plans with a StackedModules: one bmm for scores and s_m."""
+    assert plan.stacked is not None and plan.base_norms is not None and plan.whitening is not None
+    assert plan.whitening.lowrank is not None
+    weights, kinv = plan.stacked.weights, plan.stacked.kinv
+    modules, width, num_scores = weights.shape[0], weights.shape[1], plan.vectors.shape[0]
+    both = torch.bmm(rows.view(-1, modules, width).transpose(0, 1), weights)  # [M, c, A+Q]
+    scores = both[:, :, :num_scores].sum(dim=0)  # [c, A]
+    s_m = both[:, :, num_scores:].double()  # [M, c, Q]
+    base = plan.base_norms[start : start + rows.shape[0]] * plan.whitening.lowrank.base_scale
+    sq = base - (torch.bmm(s_m, kinv) * s_m).sum(dim=(0, 2))  # fp64: the two terms nearly cancel
+    return scores / sq.clamp_min(0).sqrt().float().clamp_min(EPS)[:, None]
 
 
 @dataclass
@@ -243,11 +312,14 @@ def score_rows(
     scores_out: np.ndarray | None = None,
     chunk_rows: int = 8192,
     on_chunk: Callable[[int], None] | None = None,
+    workers: int = 0,
 ) -> TopRows:
     """Score every row of `source` against the planned queries; keep the top/bottom k.
 
     `scores_out` (optional, e.g. a .npy memmap [A, N] float32) receives every score.
-    `on_chunk(rows_done)` is called after each chunk (progress bars).
+    `on_chunk(rows_done)` is called after each chunk (progress bars). Chunks are read and scored
+    on `workers` threads (0: torch's thread count) and merged in row order, so the result does
+    not depend on the number of workers.
     """
     if source.dim != plan.vectors.shape[1]:
         raise AssayError(
@@ -256,25 +328,38 @@ def score_rows(
         )
     if top_k < 1:
         raise AssayError(f"--top_k must be >= 1, got {top_k}")
-    columns = 1 if plan.reduce_max else plan.vectors.shape[0]
-    running = RunningTop(columns, top_k)
-    starts = list(range(0, source.num_rows, max(chunk_rows, 1)))
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        pending = pool.submit(source.read, 0, min(chunk_rows, source.num_rows), 0) if starts else None
-        for i, start in enumerate(starts):
-            stop = min(start + chunk_rows, source.num_rows)
-            assert pending is not None
-            rows = pending.result().to(plan.vectors.device)
-            if i + 1 < len(starts):  # read the next chunk while this one is scored
-                nxt = starts[i + 1]
-                pending = pool.submit(source.read, nxt, min(nxt + chunk_rows, source.num_rows), (i + 1) % 2)
-            scores = chunk_scores(plan, rows, start)
+    running = RunningTop(1 if plan.reduce_max else plan.vectors.shape[0], top_k)
+    workers = workers or torch.get_num_threads()
+    depth = workers + 1  # chunks in flight: every worker busy while the oldest is merged
+    device = plan.vectors.device
+
+    def score(start: int, stop: int, slot: int) -> torch.Tensor:
+        return chunk_scores(plan, source.read_raw(start, stop, slot).to(device), start)
+
+    spans = [(a, min(a + chunk_rows, source.num_rows)) for a in range(0, source.num_rows, max(chunk_rows, 1))]
+    with single_threaded_torch(workers) as pool:
+        pending = deque(pool.submit(score, *span, i % depth) for i, span in enumerate(spans[:depth]))
+        for i, (start, stop) in enumerate(spans):
+            scores = pending.popleft().result()
+            if i + depth < len(spans):  # its slot's previous chunk has been scored
+                pending.append(pool.submit(score, *spans[i + depth], (i + depth) % depth))
             running.update(scores, start)
             if scores_out is not None:
                 scores_out[:, start:stop] = scores.cpu().numpy()
             if on_chunk is not None:
                 on_chunk(stop)
     return running.result()
+
+
+@contextlib.contextmanager
+def single_threaded_torch(workers: int) -> Iterator[ThreadPoolExecutor]:
+    """A pool of `workers` threads whose torch ops run single-threaded; threads restored after."""
+    before = torch.get_num_threads()
+    try:
+        with ThreadPoolExecutor(workers, initializer=torch.set_num_threads, initargs=(1,)) as pool:
+            yield pool
+    finally:
+        torch.set_num_threads(before)
 
 
 def base_sq_norms(source: RowSource, whitening: Whitening, chunk_rows: int = 1024) -> np.ndarray:
