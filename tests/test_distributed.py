@@ -132,7 +132,7 @@ def test_build_fsdp_two_processes_equal_one(tmp_path, built, tiny_model_dir, man
         torch.testing.assert_close(s2[name], s1[name], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("command", ["build"])
+@pytest.mark.parametrize("command", ["build", "finetune"])
 def test_fsdp_in_one_process_is_refused_before_writing(command, tmp_path):
     from assay.cli import main
 
@@ -174,29 +174,60 @@ def _metrics(folder: Path) -> list[dict]:
     return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_finetune_two_processes_follow_the_one_process_loss_curve(tmp_path, tiny_model_dir, many_jsonl):
-    """Effective batch 4 = 2 ranks x 1 micro x 2 accumulation; the 4th step has 1 example, so
-    rank 1 has nothing to do in it and must still join the gradient reduction."""
-    from safetensors.torch import load_file
+FINETUNE_FLAGS = [
+    "--precision", "fp32", "--effective_batch_size", "4", "--micro_batch_size", "1",
+    "--learning_rate", "1e-3", "--eval_split", "", "--log_every", "1", "--save_every", "2",
+    "--attention", "eager",
+]  # fmt: skip
 
+
+@pytest.fixture(scope="module")
+def finetuned(tmp_path_factory, tiny_model_dir, many_jsonl) -> tuple[Path, list[str]]:
+    """(the 1-process run, its arguments): 4 steps of effective batch 4 over 13 examples."""
     from assay.cli import main
 
-    args = ["--model", str(tiny_model_dir), "--dataset", str(many_jsonl), "--precision", "fp32"]
-    args += ["--effective_batch_size", "4", "--micro_batch_size", "1", "--learning_rate", "1e-3"]
-    args += ["--eval_split", "", "--log_every", "1", "--save_every", "2", "--attention", "eager"]
-    assert main(["finetune", str(tmp_path / "one"), *args]) == 0
-    _ok(torchrun("-m", "assay", "finetune", str(tmp_path / "two"), *args))
-    one, two = _metrics(tmp_path / "one"), _metrics(tmp_path / "two")
-    assert len(one) == len(two) == 6  # step 0, steps 1-4, final
-    for a, b in zip(one[1:5], two[1:5], strict=True):
+    args = ["--model", str(tiny_model_dir), "--dataset", str(many_jsonl), *FINETUNE_FLAGS]
+    one = tmp_path_factory.mktemp("finetune") / "one"
+    assert main(["finetune", str(one), *args]) == 0
+    return one, args
+
+
+def _assert_same_training(one: Path, two: Path) -> None:
+    """Same loss curve and gradient norms (fp32 noise), same saved weights and Adam moments."""
+    from safetensors.torch import load_file
+
+    m1, m2 = _metrics(one), _metrics(two)
+    assert len(m1) == len(m2) == 6  # step 0, steps 1-4, final
+    for a, b in zip(m1[1:5], m2[1:5], strict=True):
         assert a["step"] == b["step"]
         assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-5, abs=1e-6)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4, abs=1e-6)
-    assert two[-1]["train_loss"] == pytest.approx(one[-1]["train_loss"], rel=1e-5)
-    w1, w2 = (load_file(str(tmp_path / r / "model" / "model.safetensors")) for r in ("one", "two"))
-    for name, value in w1.items():
-        torch.testing.assert_close(w2[name], value, rtol=1e-4, atol=1e-5)
-    assert not (tmp_path / "two" / "checkpoint").exists()
+    assert max(a["grad_norm"] for a in m1[1:5]) > 1.0  # --max_grad_norm 1 clipped: clipping is compared
+    assert m2[-1]["train_loss"] == pytest.approx(m1[-1]["train_loss"], rel=1e-5)
+    for name in ("model/model.safetensors", "optimizer_state.safetensors"):
+        w1, w2 = load_file(str(one / name)), load_file(str(two / name))
+        assert set(w1) == set(w2)
+        for key, value in w1.items():
+            torch.testing.assert_close(w2[key], value, rtol=1e-4, atol=1e-5)
+    assert not (two / "checkpoint").exists()
+
+
+def test_finetune_two_processes_follow_the_one_process_loss_curve(tmp_path, finetuned):
+    """Effective batch 4 = 2 ranks x 1 micro x 2 accumulation; the 4th step has 1 example, so
+    rank 1 has nothing to do in it and must still join the gradient reduction."""
+    one, args = finetuned
+    _ok(torchrun("-m", "assay", "finetune", str(tmp_path / "two"), *args))
+    _assert_same_training(one, tmp_path / "two")
+
+
+def test_finetune_fsdp_two_processes_follow_one_and_resume(tmp_path, finetuned):
+    """--fsdp (sharded weights, gradients and Adam moments), interrupted after step 3 and resumed
+    from the step-2 checkpoint (gathered whole, then re-sharded): the same run as one process."""
+    one, args = finetuned
+    proc = torchrun(__file__, "resume", str(tmp_path / "fsdp"), *args, "--fsdp")
+    _ok(proc)
+    assert "resuming from step 2 of 4" in proc.stderr
+    _assert_same_training(one, tmp_path / "fsdp")
 
 
 # ---- sae train -------------------------------------------------------------------------------
@@ -295,9 +326,24 @@ def _worker_sae(folder: str, model_dir: str, data: str) -> int:
     return main([*args, "--d_sae", "64", "--k", "4", "--checkpoint_every", "2"])
 
 
+def _worker_resume(out: str, *args: str) -> int:
+    """`assay finetune` stopped after step 3 (as by Ctrl-C), then run again to resume."""
+    from assay.cli import main
+    from assay.training import finetune
+
+    def stop(step: int) -> None:
+        if step == 3:
+            raise KeyboardInterrupt
+
+    finetune._after_step = stop  # type: ignore[assignment]
+    assert main(["finetune", out, *args]) == 130
+    finetune._after_step = lambda step: None  # type: ignore[assignment]
+    return main(["finetune", out, *args])
+
+
 if __name__ == "__main__":
     mode, *rest = sys.argv[1:]
-    sys.exit({"fail": _worker_fail, "sae": _worker_sae}[mode](*rest))
+    sys.exit({"fail": _worker_fail, "sae": _worker_sae, "resume": _worker_resume}[mode](*rest))
 
 
 @pytest.mark.parametrize("command", ["filter", "coreset"])

@@ -16,11 +16,13 @@ full tensors for saving and loading (both are collectives when sharded: every ra
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.distributed as tdist
 from torch import nn
 
 from assay.core.distributed import Distributed
@@ -55,7 +57,9 @@ def shard_model(model: nn.Module, dist: Distributed) -> nn.Module:
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     require_processes(dist)
-    import torch.distributed as tdist
+    # FSDP warns that a model returning a view (HF logits) loses its backward hook if the view
+    # is then modified in place; assay's losses never modify model outputs in place.
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
 
     device = "cuda" if tdist.get_backend() == "nccl" else "cpu"  # where Distributed put this rank
     mesh = init_device_mesh(device, (dist.world_size,))
@@ -66,6 +70,7 @@ def shard_model(model: nn.Module, dist: Distributed) -> nn.Module:
     for unit in model.modules():
         if isinstance(unit, FSDPModule):
             unit.set_gradient_divide_factor(1.0)
+            unit.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
     return model
 
 

@@ -24,7 +24,9 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from assay.core.distributed import Distributed
 from assay.core.errors import AssayError
+from assay.core.fsdp import full_tensor, like
 from assay.core.precision import STATS_DTYPE
 from assay.core.runs import read_json, write_json
 
@@ -46,7 +48,8 @@ def _moments(
         state = optimizer.state.get(p, {})
         for key in ("exp_avg", "exp_avg_sq"):
             if key in state:
-                out[f"{name}.{key}"] = state[key].detach().to(STATS_DTYPE).contiguous().cpu()
+                whole = full_tensor(state[key])  # --fsdp: gathered (every rank calls)
+                out[f"{name}.{key}"] = whole.detach().to(STATS_DTYPE).contiguous().cpu()
     return out
 
 
@@ -62,11 +65,15 @@ def export_optimizer_state(
     step: int,
     precision: str,
 ) -> None:
-    """Write the Adam moments per parameter name (fp32) for attribution normalizers."""
+    """Write the Adam moments per parameter name (fp32) for attribution normalizers.
+    Every rank calls it (sharded moments are gathered); rank 0 writes."""
+    moments = _moments(optimizer, params)
+    if not Distributed.current().is_main:
+        return
     meta = {"format": OPTIMIZER_STATE_FORMAT, "optimizer": "adamw", "step": step, "precision": precision}
     meta |= _adam_hparams(optimizer)
     tmp = path.with_name(path.name + ".tmp")
-    save_file(_moments(optimizer, params), str(tmp), metadata={k: str(v) for k, v in meta.items()})
+    save_file(moments, str(tmp), metadata={k: str(v) for k, v in meta.items()})
     os.replace(tmp, path)
 
 
@@ -95,15 +102,18 @@ def save_checkpoint(
     scaler: Any,
     state: dict[str, Any],
 ) -> None:
-    """Trainable weights, optimizer moments and step counters, RNG state: enough to resume."""
+    """Trainable weights, optimizer moments and step counters, RNG state: enough to resume.
+    Every rank calls it (sharded weights and moments are gathered whole); rank 0 writes."""
     params = trainable_parameters(model)
+    weights = {n: full_tensor(p).detach().contiguous().cpu() for n, p in params.items()}
+    moments = _moments(optimizer, params)
+    if not Distributed.current().is_main:
+        return
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_file(
-        {n: p.detach().contiguous().cpu() for n, p in params.items()}, str(tmp / "trainable.safetensors")
-    )
-    save_file(_moments(optimizer, params), str(tmp / "optimizer.safetensors"))
+    save_file(weights, str(tmp / "trainable.safetensors"))
+    save_file(moments, str(tmp / "optimizer.safetensors"))
     save_file({"torch_rng": torch.get_rng_state()}, str(tmp / "rng.safetensors"))
     opt_steps = {n: float(optimizer.state[p]["step"]) for n, p in params.items() if p in optimizer.state}
     extra = {"optimizer_steps": opt_steps, "scaler": scaler.state_dict() if scaler is not None else None}
@@ -118,7 +128,8 @@ def save_checkpoint(
 def load_checkpoint(
     folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: Any
 ) -> dict:
-    """Restore what `save_checkpoint` wrote; returns its state dict (step, metrics lines...)."""
+    """Restore what `save_checkpoint` wrote; returns its state dict (step, metrics lines...).
+    Every rank reads the whole tensors and keeps its shard of them (`like`) under --fsdp."""
     params = trainable_parameters(model)
     weights = load_file(str(folder / "trainable.safetensors"))
     if set(weights) != set(params):
@@ -127,12 +138,12 @@ def load_checkpoint(
     state = read_json(folder / "state.json")
     with torch.no_grad():
         for name, p in params.items():
-            p.copy_(weights[name])
+            p.copy_(like(p, weights[name]))
             if name in state["optimizer_steps"]:
                 optimizer.state[p] = {
                     "step": torch.tensor(state["optimizer_steps"][name], dtype=torch.float32),
-                    "exp_avg": moments[f"{name}.exp_avg"].to(p.dtype).clone(),
-                    "exp_avg_sq": moments[f"{name}.exp_avg_sq"].to(p.dtype).clone(),
+                    "exp_avg": like(p, moments[f"{name}.exp_avg"]).clone(),
+                    "exp_avg_sq": like(p, moments[f"{name}.exp_avg_sq"]).clone(),
                 }
     if scaler is not None and state.get("scaler"):
         scaler.load_state_dict(state["scaler"])

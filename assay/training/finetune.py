@@ -23,6 +23,7 @@ import numpy as np
 import torch
 import tyro
 
+from assay.core import fsdp
 from assay.core.config import DataConfig, ModelConfig, RuntimeConfig
 from assay.core.console import note, say
 from assay.core.data import Examples, collate, load_examples
@@ -94,6 +95,9 @@ class FinetuneConfig:
     """With --selection, also report the final loss on the whole dataset the subset came from."""
     token_batch_size: int = 8192
     """Most tokens (padding included) per forward batch when evaluating."""
+    fsdp: bool = False
+    """Under torchrun: shard weights, gradients and AdamW's moments over the processes (FSDP2,
+    one unit per decoder block) for models that do not fit on one device; saved whole."""
     overwrite: bool = False
     """Replace a finished run in OUT."""
 
@@ -186,20 +190,31 @@ def train_step(
     # steps per rank = effective / (micro x world); summing the ranks' gradients gives exactly
     # the one-process gradient (each micro-batch already divides by the global token count).
     dist = Distributed.current()
-    positions = dist.interleave_array(positions)
+    mine = dist.interleave_array(positions)
     total, real = 0.0, 0
-    for start in range(0, len(positions), micro_batch_size):
-        batch = collate(examples, positions[start : start + micro_batch_size], pad_id, policy.device)
+    for chunk in _micro_batches(mine, len(positions), micro_batch_size, dist.world_size):
+        weight = 1.0 if len(chunk) else 0.0  # a rank short of examples runs one with weight 0
+        batch = collate(examples, chunk if len(chunk) else positions[-1:], pad_id, policy.device)
         with policy.autocast():
             losses = example_losses(model, batch)  # [b] fp32 summed token losses
         with full_precision(policy.device):
-            loss = losses.sum() / max(loss_tokens, 1)
+            loss = losses.sum() * weight / max(loss_tokens, 1)
         (scaler.scale(loss) if scaler is not None else loss).backward()
-        total += float(losses.detach().sum())
-        real += int(batch["attention_mask"].sum())
-    dist.all_reduce_grads_(p for p in model.parameters() if p.requires_grad)  # fp32 sum, as DDP
+        total += float(losses.detach().sum()) * weight
+        real += int(batch["attention_mask"].sum()) * int(weight)
+    if not fsdp.is_sharded(model):  # FSDP reduce-scattered (summed, fp32) them in the backward
+        dist.all_reduce_grads_(p for p in model.parameters() if p.requires_grad)  # fp32 sum, as DDP
     total, real_sum = dist.sum_scalars(total, real)
     return total, loss_tokens, int(real_sum)
+
+
+def _micro_batches(mine: np.ndarray, n: int, micro: int, world: int) -> list[np.ndarray]:
+    """This rank's micro-batches, padded with empty ones so that every rank runs as many as the
+    rank with the largest share (ceil(n / world) examples): with --fsdp every forward and
+    backward is a collective, and under DDP the extra pass costs only time a rank would wait."""
+    largest = math.ceil(n / world)
+    rounds = math.ceil(largest / micro)
+    return [mine[i * micro : (i + 1) * micro] for i in range(rounds)]
 
 
 def optimizer_update(
@@ -212,7 +227,7 @@ def optimizer_update(
     if scaler is not None:
         scaler.unscale_(optimizer)
     limit = max_grad_norm if max_grad_norm > 0 else math.inf
-    norm = float(torch.nn.utils.clip_grad_norm_(params, limit, foreach=False))
+    norm = float(fsdp.full_tensor(torch.nn.utils.clip_grad_norm_(params, limit, foreach=False)))
     if scaler is not None:
         scaler.step(optimizer)  # skips the step when the scaled gradients overflowed
         scaler.update()
@@ -228,7 +243,9 @@ def mean_loss(
     """Token-weighted mean loss (nats/token), with the model in eval mode."""
     model.eval()
     dist = Distributed.current()
-    if dist.active:  # each rank evaluates its share; the loss sums are added up (fp64)
+    # Each rank evaluates its share and the loss sums are added up (fp64); with --fsdp every
+    # forward is a collective, so every rank evaluates every example (in the same batches).
+    if dist.active and not fsdp.is_sharded(model):
         mine = examples.subset(dist.interleave_array(np.arange(len(examples))))
         part = float(evaluate_losses(model, mine, policy, pad_id, tbs, desc="eval").sum()) if len(mine) else 0
         model.train()
@@ -362,7 +379,7 @@ class Trainer:
             return
         if cfg.eval_every and step % cfg.eval_every == 0:
             log.write({"step": step, "eval_loss": self.eval_loss()})
-        if cfg.save_every and step % cfg.save_every == 0 and Distributed.current().is_main:
+        if cfg.save_every and step % cfg.save_every == 0:  # every rank gathers, rank 0 writes
             state = {"step": step, "train_s": train_s, "metric_lines": log.lines}
             ckpt.save_checkpoint(
                 self.folder / ckpt.CHECKPOINT_DIR, self.model, self.optimizer, self.scaler, state
@@ -381,33 +398,45 @@ def final_losses(trainer: Trainer) -> dict[str, float | None]:
 
 
 def save_outputs(trainer: Trainer, folder: Path, tokenizer: Any) -> None:
-    """The trained model (or adapter), its tokenizer, the optimizer moments and the visit order."""
-    trainer.model.save_pretrained(folder / "model", safe_serialization=True)
-    tokenizer.save_pretrained(folder / "model")
-    params = ckpt.trainable_parameters(trainer.model)
+    """The trained model (or adapter), its tokenizer, the optimizer moments and the visit order.
+
+    Every rank calls it (a sharded model's weights and moments are gathered whole: collectives);
+    rank 0 writes, in the same format with or without --fsdp."""
+    model = trainer.model
+    weights = fsdp.full_state_dict(model) if fsdp.is_sharded(model) else None  # None: its own
+    params = ckpt.trainable_parameters(model)
     ckpt.export_optimizer_state(
         folder / ckpt.OPTIMIZER_STATE_FILE, trainer.optimizer, params, len(trainer.steps), trainer.policy.name
     )
+    if not Distributed.current().is_main:
+        return
+    model.save_pretrained(folder / "model", safe_serialization=True, state_dict=weights)
+    tokenizer.save_pretrained(folder / "model")
     write_plan(folder / ORDER_FILE, trainer.data.plan)
 
 
 def run_finetune(cfg: FinetuneConfig) -> dict[str, Any]:
     """Train, evaluate, save; returns the summary (also in OUT/summary.json)."""
     wall = time.perf_counter()
+    dist = Distributed.current()
+    if cfg.fsdp:
+        fsdp.require_processes(dist)  # before OUT.part exists
     with run_folder(cfg.out, "finetune", cfg, cfg.overwrite) as run:
         _, policy = setup_runtime(cfg.runtime)
         tokenizer = load_tokenizer(cfg.model)
         data = prepare_data(cfg, tokenizer)
-        model = load_model(cfg.model, policy, cfg.runtime.attention)
-        Distributed.current().broadcast_module_(model)  # identical start on every rank (as DDP)
+        if cfg.fsdp:
+            model = fsdp.load_sharded_model(cfg.model, policy, cfg.runtime.attention, dist)
+        else:
+            model = load_model(cfg.model, policy, cfg.runtime.attention)
+            dist.broadcast_module_(model)  # identical start on every rank (as DDP)
         trainer = Trainer(cfg, model, data, policy, tokenizer.pad_token_id, run.path)
         trained = count_parameters(model)
         note(f"training {trained[0]:,} of {trained[1]:,} parameters, {len(trainer.steps)} steps")
         result = trainer.run()
         losses = final_losses(trainer)
         result["log"].write({"step": result["steps"], "final": True, **losses})
-        if Distributed.current().is_main:  # the ranks hold identical models
-            save_outputs(trainer, run.path, tokenizer)
+        save_outputs(trainer, run.path, tokenizer)
         summary = {
             **losses,
             "steps": result["steps"],
