@@ -188,8 +188,23 @@ def gradient_scores(cfg: FilterConfig, index: GradientIndex) -> np.ndarray:
 
 
 def compute_scores(cfg: FilterConfig, folder: Path) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
-    """(pool ids [N], scores [N], details) for the chosen strategy."""
+    """(pool ids [N], scores [N], details) for the chosen strategy.
+
+    Under torchrun every rank joins the index build (the costly part, rank-aware); rank 0 alone
+    scores (cheap next to the gradients) and every rank gets its scores.
+    """
     index = open_index(cfg.index) if cfg.index else None
+    details: dict[str, Any] = {}
+    if index is None and cfg.strategy in GRADIENT_MODES:
+        index = build_index_here(cfg, folder)
+        details["index"] = str(Path(cfg.out) / "index")  # where it will be once OUT is finished
+    return Distributed.current().main_only(_scores, cfg, index, details)
+
+
+def _scores(
+    cfg: FilterConfig, index: GradientIndex | None, details: dict[str, Any]
+) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
+    """The strategy's scores of the pool, computed in this process (no collectives)."""
     if cfg.strategy == "random":
         ids = index.ids if index is not None else pool_ids(cfg)
         return np.asarray(ids, np.int64), random_scores(len(ids), cfg.runtime.seed), {}
@@ -198,10 +213,8 @@ def compute_scores(cfg: FilterConfig, folder: Path) -> tuple[np.ndarray, np.ndar
             return np.asarray(index.ids, np.int64), mean_token_losses(index), {"index": str(index.path)}
         ids, losses = model_token_losses(cfg)
         return np.asarray(ids, np.int64), losses, {}
-    built_here = index is None
-    index = index or build_index_here(cfg, folder)
-    where = str(Path(cfg.out) / "index") if built_here else str(index.path)
-    details = {"index": where, "precision": index.meta["precision"]}
+    assert index is not None  # compute_scores built one
+    details = {"index": str(index.path), **details, "precision": index.meta["precision"]}
     return np.asarray(index.ids, np.int64), gradient_scores(cfg, index), details
 
 
@@ -216,15 +229,15 @@ def write_selection(folder: Path, ids: np.ndarray, scores: np.ndarray, chosen: n
 
 
 def run_filter(cfg: FilterConfig) -> dict[str, Any]:
-    """Score the pool, keep the top (or bottom) k, write them with their scores."""
-    Distributed.current().require_single_process("filter")
+    """Score the pool, keep the top (or bottom) k, write them with their scores (rank 0 writes)."""
     with run_folder(cfg.out, "filter", cfg, cfg.overwrite) as run:
         ids, scores, details = compute_scores(cfg, run.path)
         k = selection_size(cfg, len(ids))
         if not np.isfinite(scores).all():
             raise AssayError(f"{cfg.strategy} produced non-finite scores; check the model and the index")
         chosen = select_top(ids, scores, k, cfg.lowest)
-        write_selection(run.path, ids, scores, chosen)
+        if Distributed.current().is_main:
+            write_selection(run.path, ids, scores, chosen)
         summary = {
             "strategy": cfg.strategy,
             "query": cfg.query,
@@ -234,7 +247,8 @@ def run_filter(cfg: FilterConfig) -> dict[str, Any]:
             "score_range": [float(scores[chosen].min()), float(scores[chosen].max())],
             **details,
         }
-        write_json(run.path / "summary.json", summary)
+        if Distributed.current().is_main:
+            write_json(run.path / "summary.json", summary)
     tail = "lowest" if cfg.lowest else "highest"
     say(f"{cfg.out}: kept {k} of {len(ids)} examples ({cfg.strategy}, query {cfg.query}, {tail} scores)")
     return summary

@@ -14,7 +14,7 @@ collectives must still join them for a `None` item (see finetune's and sae's loo
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -65,16 +65,6 @@ class Distributed:
     @property
     def active(self) -> bool:
         return self.world_size > 1
-
-    def require_single_process(self, command: str) -> None:
-        """Refuse, with one clear line, a command whose outputs ranks would write over each other."""
-        if self.active:
-            from assay.core.errors import AssayError
-
-            raise AssayError(
-                f"assay {command} runs in one process; launch it without torchrun (its build, "
-                "score and finetune steps each scale out under torchrun on their own)"
-            )
 
     def _device(self) -> torch.device:
         """Where collectives' buffers live (NCCL needs CUDA tensors)."""
@@ -198,6 +188,22 @@ class Distributed:
         out: list[Any] = [None] * self.world_size
         tdist.all_gather_object(out, obj)
         return out
+
+    def main_only(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on rank 0 alone (cheap work that writes shared files); every rank returns
+        rank 0's result, or raises the AssayError rank 0 hit (none waits forever)."""
+        from assay.core.errors import AssayError
+
+        result, error = None, None
+        if self.is_main:
+            try:
+                result = fn(*args)
+            except AssayError as e:
+                error = str(e)
+        error = self.agree(error)
+        if error:
+            raise AssayError(error)
+        return self.broadcast_object(result)
 
     def agree(self, error: str | None) -> str | None:
         """The first error any rank hit (or None): lets every rank raise the same AssayError

@@ -157,20 +157,26 @@ def resolve_layout(cfg: CoresetConfig, root: Path) -> Layout:
 
 
 class Stages:
-    """Run each stage once: a stage whose folder holds a finished run is skipped."""
+    """Run each stage once: a stage whose folder holds a finished run is skipped.
+
+    Under torchrun every rank runs every stage (build, finetune and filter are rank-aware);
+    rank 0 decides which are finished, so all ranks skip the same ones, and records the times.
+    """
 
     def __init__(self, root: Path):
         self.path = root / STAGES_FILE
         self.times: dict[str, float] = read_json(self.path) if self.path.exists() else {}
 
     def run(self, name: str, folder: Path, fn: Any, *args: Any) -> None:
-        if (folder / "run.json").exists():
+        dist = Distributed.current()
+        if dist.broadcast_object((folder / DONE_FILE).exists()):
             return
         note(f"--- stage {name}")
         start = time.perf_counter()
         fn(*args)
         self.times[name] = time.perf_counter() - start
-        write_json(self.path, self.times)
+        if dist.is_main:
+            write_json(self.path, self.times)
 
 
 def finetune_config(cfg: CoresetConfig, lay: Layout, out: Path, seed: int, selection: Path | None) -> Any:
@@ -294,16 +300,26 @@ def open_experiment(cfg: CoresetConfig) -> Path:
     return root
 
 
-def run_coreset(cfg: CoresetConfig) -> dict[str, Any]:
-    """Every stage (resumably), then the tables, the overlap and the plot."""
+def finish(cfg: CoresetConfig, lay: Layout, root: Path) -> dict[str, Any]:
+    """The report (results.json, results.md, curves.png), then the experiment's run.json."""
     from assay.experiments.report import write_report
 
-    Distributed.current().require_single_process("coreset")
-    root = open_experiment(cfg)
-    lay = resolve_layout(cfg, root)
-    run_stages(cfg, lay, Stages(root))
     results = write_report(cfg, lay, rows_of(cfg), root)
     write_json(root / DONE_FILE, {"finished": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+    return results
+
+
+def run_coreset(cfg: CoresetConfig) -> dict[str, Any]:
+    """Every stage (resumably), then the tables, the overlap and the plot.
+
+    Under torchrun rank 0 opens the folder, writes the preset's data and the report; every
+    rank runs the stages together and returns rank 0's results.
+    """
+    dist = Distributed.current()
+    root = dist.main_only(open_experiment, cfg)
+    lay = dist.main_only(resolve_layout, cfg, root)
+    run_stages(cfg, lay, Stages(root))
+    results = dist.main_only(finish, cfg, lay, root)
     say((root / "results.md").read_text())
     say(f"results in {cfg.out}/ (results.md, results.json, curves.png)")
     return results
