@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from assay.core.errors import AssayError
+from assay.core.memory import return_freed_memory
 
 
 @dataclass(frozen=True)
@@ -157,6 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(_usage())
         return 0
     name = args[0]
+    return_freed_memory()
     try:
         name, rest = _split_command(args)
         if name == "replay":

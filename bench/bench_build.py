@@ -36,6 +36,7 @@ from assay.attribution.projection import Projector
 from assay.core.config import DataConfig, ModelConfig
 from assay.core.data import collate, load_examples, token_batches
 from assay.core.lm import example_losses
+from assay.core.memory import return_freed_memory
 from assay.core.models import load_model, load_tokenizer, resolve_model_path
 from assay.core.precision import PrecisionPolicy
 
@@ -80,6 +81,7 @@ def collect_pass(setup, examples, positions_list) -> np.ndarray:
 
 def loop_benchmark(model_name: str, data: Path, precision: str, tbs: int, repeats: int, p: int) -> dict:
     """Alternate floor and collector passes over the same batches; medians of tokens/s."""
+    return_freed_memory()  # as the `assay` command does; the floor shares the process
     policy = PrecisionPolicy.resolve(precision, "cpu")
     tokenizer = load_tokenizer(ModelConfig(model=model_name))
     model = load_model(ModelConfig(model=model_name), policy)
