@@ -81,17 +81,21 @@ def random_model(args: argparse.Namespace) -> Path:
     return folder
 
 
-def run_ours(acts: Path, d_sae: int, precision: str, args: argparse.Namespace, sparse: bool) -> dict:
+def run_ours(
+    acts: Path, d_sae: int, precision: str, args: argparse.Namespace, sparse: bool, init: str
+) -> dict:
     train, held = load_split(acts / "train"), load_split(acts / "eval")
     scale = scale_of(train)
     data = batches(train, scale, args.batch, args.steps)
     held_out = torch.from_numpy(held * scale)
     torch.manual_seed(0)
     d_in = train.shape[1]
-    sae = SparseAutoencoder(d_in, d_sae, SaeArchConfig(architecture="topk", k=args.k, sparse_kernels=sparse))
+    arch = SaeArchConfig(architecture="topk", k=args.k, sparse_kernels=sparse, decoder_init=init)  # type: ignore[arg-type]
+    sae = SparseAutoencoder(d_in, d_sae, arch)
     with torch.no_grad():
         sae.b_dec.copy_(data[0].mean(0))  # as the peers do (sparsify: first batch mean)
-    lr = args.lr or default_learning_rate(d_sae)
+    sae.fit_encoder_scale(data[0])  # as assay's init_from_data does (unit decoder start)
+    lr = args.lr or default_learning_rate(d_sae, sae.arch.unit_decoder)
     opt = make_optimizer(sae, lr)
     policy = PrecisionPolicy.resolve(precision)
     dead = DeadLatents(d_sae, window=DEAD_WINDOW_STEPS * args.batch)
@@ -103,7 +107,11 @@ def run_ours(acts: Path, d_sae: int, precision: str, args: argparse.Namespace, s
     speed = timer.tokens_per_s(args.batch)
     q = quality(sae.forward, sae.encode, held_out)
     rec = record("assay", precision, d_in, d_sae, args, speed, q, dead.fraction())
-    return {**rec, "kernel": "sparse" if sparse else "dense"}
+    return {
+        **rec,
+        "kernel": "sparse" if sparse else "dense",
+        "init": "unit" if arch.unit_decoder else "small",
+    }
 
 
 def table(files: list[Path]) -> None:
@@ -112,17 +120,25 @@ def table(files: list[Path]) -> None:
     for path in files:
         for line in path.read_text().splitlines():
             r = json.loads(line)
-            key = (r["d_in"], r["d_sae"], r["library"], r.get("kernel", "-"), r["precision"])
+            key = (
+                r["d_in"],
+                r["d_sae"],
+                r["library"],
+                r.get("init", "-"),
+                r.get("kernel", "-"),
+                r["precision"],
+            )
             groups.setdefault(key, []).append(r)
-    print("| d_in x d_sae | library | kernel | precision | tokens/s | FVU | L0 | dead | runs |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for (d_in, d_sae, lib, kernel, prec), rs in sorted(groups.items()):
+    print("| d_in x d_sae | library | init | kernel | precision | tokens/s | FVU | L0 | dead | runs |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for (d_in, d_sae, lib, init, kernel, prec), rs in sorted(groups.items()):
         speed = float(np.median([r["tokens_per_s"] for r in rs]))
         fvu, l0 = float(np.median([r["fvu"] for r in rs])), float(np.median([r["l0"] for r in rs]))
         dead = float(np.median([r["dead_fraction"] for r in rs]))
         cells = [
             f"{d_in} x {d_sae}",
             lib,
+            init,
             kernel,
             prec,
             f"{speed:,.0f}",
@@ -144,6 +160,7 @@ def main() -> None:
     p.add_argument("--expansion", type=int, nargs="+", default=[16, 32])
     p.add_argument("--precision", nargs="+", default=["fp32", "bf16"])
     p.add_argument("--kernels", nargs="+", default=["sparse"], choices=["sparse", "dense"])
+    p.add_argument("--inits", nargs="+", default=["auto"], choices=["auto", "unit", "small"])
     p.add_argument("--k", type=int, default=32)
     p.add_argument("--batch", type=int, default=4096)
     p.add_argument("--steps", type=int, default=100)
@@ -165,13 +182,14 @@ def main() -> None:
     d_in = int(json.loads((args.acts / "train" / "meta.json").read_text())["d_in"])
     for _ in range(args.repeats):  # alternate configurations within each repeat
         for e in args.expansion:
-            for kernel in args.kernels:
-                for precision in args.precision:
-                    rec = run_ours(args.acts, e * d_in, precision, args, kernel == "sparse")
-                    print(json.dumps(rec), flush=True)
-                    if args.out:
-                        with open(args.out, "a") as f:
-                            f.write(json.dumps(rec) + "\n")
+            for init in args.inits:
+                for kernel in args.kernels:
+                    for precision in args.precision:
+                        rec = run_ours(args.acts, e * d_in, precision, args, kernel == "sparse", init)
+                        print(json.dumps(rec), flush=True)
+                        if args.out:
+                            with open(args.out, "a") as f:
+                                f.write(json.dumps(rec) + "\n")
 
 
 if __name__ == "__main__":

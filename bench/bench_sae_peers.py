@@ -26,8 +26,8 @@ from bench_sae_common import DEAD_WINDOW_STEPS, Timer, batches, load_split, qual
 
 
 def default_lr(d_sae: int) -> float:
-    """assay's default (assay.sae.train.default_learning_rate), so Adam runs share the lr."""
-    return 8e-4 / math.sqrt(d_sae / 2**14)
+    """assay's TopK default (assay.sae.train.default_learning_rate), so Adam runs share the lr."""
+    return 3.2e-3 / math.sqrt(d_sae / 2**14)
 
 
 def run_saelens(data: list, held: torch.Tensor, d_sae: int, args: argparse.Namespace, autocast: bool) -> dict:

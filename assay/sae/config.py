@@ -16,6 +16,7 @@ from assay.core.errors import AssayError
 
 Architecture = Literal["relu", "topk", "batchtopk", "jumprelu"]
 ARCHITECTURES: tuple[str, ...] = ("relu", "topk", "batchtopk", "jumprelu")
+DecoderInit = Literal["auto", "unit", "small"]
 FP16_REFUSAL = (
     "--precision fp16 is not supported for SAE training: it degraded SAE training badly and its "
     "loss scaling makes runs fragile; use --precision bf16 (fp32's exponent range) or fp32"
@@ -47,8 +48,15 @@ class SaeArchConfig:
     """Latents the AuxK loss revives per token (topk/batchtopk; default d_in / 2)."""
     aux_coefficient: float = 1 / 32
     """Weight of the AuxK loss against dead latents (0 switches it off)."""
+    decoder_init: DecoderInit = "auto"
+    """unit: decoder rows of norm 1, kept at norm 1 through training (the gradient along each
+    row is removed and rows are renormalised after every step), encoder = the decoder's
+    transpose scaled so the first batch's reconstruction has the least-squares scale (Gao et
+    al., sparsify). small: decoder rows of norm --decoder_init_norm, encoder = its transpose,
+    norms free (the ReLU/L1 recipe). auto: unit for topk/batchtopk, small for relu/jumprelu
+    (chosen by measurement; docs/BENCHMARKS.md)."""
     decoder_init_norm: float = 0.1
-    """Initial norm of each decoder row (the decoder starts as the encoder's transpose)."""
+    """Initial norm of each decoder row with --decoder_init small (the encoder is its transpose)."""
     sparse_kernels: bool = True
     """topk/batchtopk: decode with a sparse gather (embedding_bag) and a sparse encoder
     backward instead of dense matmuls (chosen by measurement; see docs/BENCHMARKS.md)."""
@@ -62,6 +70,17 @@ class SaeArchConfig:
             raise AssayError("--expansion_factor and --k must be positive")
         if min(self.l1_coefficient, self.l0_coefficient, self.aux_coefficient) < 0:
             raise AssayError("sparsity and aux coefficients must be >= 0")
+        if self.decoder_init not in ("auto", "unit", "small"):
+            raise AssayError("--decoder_init must be one of auto, unit, small")
+        if self.decoder_init_norm <= 0:
+            raise AssayError(f"--decoder_init_norm must be positive, got {self.decoder_init_norm}")
+
+    @property
+    def unit_decoder(self) -> bool:
+        """Whether decoder rows start, and stay, at unit norm (--decoder_init resolved)."""
+        if self.decoder_init == "auto":
+            return self.architecture in ("topk", "batchtopk")
+        return self.decoder_init == "unit"
 
 
 @dataclass

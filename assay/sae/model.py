@@ -174,12 +174,56 @@ class SparseAutoencoder(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """Decoder = encoder transpose with small row norms (Anthropic, Gao et al.)."""
+        """Decoder rows in random directions, of norm 1 (unit) or decoder_init_norm (small);
+        the encoder is the decoder's transpose. `fit_encoder_scale` then sets the unit start's
+        output scale from data."""
         with torch.no_grad():
             w = torch.randn(self.d_sae, self.d_in)
-            w *= self.arch.decoder_init_norm / w.norm(dim=1, keepdim=True)
+            norm = 1.0 if self.arch.unit_decoder else self.arch.decoder_init_norm
+            w *= norm / w.norm(dim=1, keepdim=True)
             self.W_dec.copy_(w)
             self.W_enc.copy_(w.t())
+
+    @torch.no_grad()
+    def fit_encoder_scale(self, x: Tensor) -> float:
+        """Unit start (not jumprelu): scale W_enc so the reconstruction of x [N, d_in]
+        (normalised) has the least-squares scale; returns the factor (1.0 otherwise).
+
+        With b_enc = 0 the kept latents do not depend on W_enc's scale c and x_hat - b_dec is
+        linear in c, so c = <x - b_dec, y> / <y, y> with y the reconstruction at c = 1. A
+        transpose of unit rows alone over-shoots (k latents each carrying their full projection)
+        and the first Adam steps would be spent shrinking it.
+        """
+        a = self.arch.architecture
+        if not self.arch.unit_decoder or a == "jumprelu":  # a fixed threshold breaks the linearity
+            return 1.0
+        x = x.float()
+        pre = self.pre_acts(x)  # [N, d_sae]
+        z = F.relu(pre)
+        if a in ("topk", "batchtopk"):
+            rows, cols = select_active(pre, a, self.arch.k)
+            z = torch.zeros_like(pre).index_put_((rows, cols), z[rows, cols])
+        y, target = z @ self.W_dec, x - self.b_dec  # [N, d_in] each
+        c = float((target * y).sum() / (y * y).sum().clamp_min(1e-12))
+        c = c if math.isfinite(c) and c > 0 else 1.0  # no kept latent: leave the start as is
+        self.W_enc.mul_(c)
+        return c
+
+    @torch.no_grad()
+    def project_decoder_grad_(self) -> None:
+        """Unit decoder: remove each row's gradient component along the row (fp32, in place), so
+        a step moves rows on the sphere to first order; `normalise_decoder_` removes the rest."""
+        g = self.W_dec.grad
+        if not self.arch.unit_decoder or g is None:
+            return
+        w = self.W_dec.detach()
+        g -= (g * w).sum(1, keepdim=True) * w / w.pow(2).sum(1, keepdim=True).clamp_min(1e-12)
+
+    @torch.no_grad()
+    def normalise_decoder_(self) -> None:
+        """Unit decoder: rows back to norm 1 after an optimizer step (fp32, in place)."""
+        if self.arch.unit_decoder:
+            self.W_dec.div_(self.W_dec.norm(dim=1, keepdim=True).clamp_min(1e-12))
 
     @property
     def aux_k(self) -> int:

@@ -33,6 +33,7 @@ from assay.sae.model import SparseAutoencoder, TrainOutput
 from assay.sae.saelens_format import save_sae
 
 CHECKPOINT = "checkpoint"
+UNIT_LR_C = 3.2e-3  # default_learning_rate's constant for unit-norm decoders (docs/BENCHMARKS.md)
 
 
 @dataclass
@@ -43,14 +44,17 @@ class TrainState:
     tokens: int = 0
 
 
-def default_learning_rate(d_sae: int) -> float:
-    """8e-4 / sqrt(d_sae / 2^14): Gao et al.'s width scaling (sparsify: 2e-4 / ...), 4x higher.
+def default_learning_rate(d_sae: int, unit_decoder: bool = False) -> float:
+    """C / sqrt(d_sae / 2^14): Gao et al.'s width scaling (sparsify's Adam: C = 2e-4).
 
-    Their constant assumes unit-norm decoder rows; ours start at norm 0.1 and must grow. On
-    SmolLM2 activations (576 x 2304, 60 steps of 1,024 tokens) held-out FVU was 0.59 / 0.31 /
-    0.14 / 0.11 / 0.14 at 1x / 2x / 4x / 8x / 16x; 4x keeps a margin for long runs.
+    Small start, C = 8e-4: rows of norm 0.1 must grow; on SmolLM2 activations (576 x 2304, 60
+    steps of 1,024 tokens) held-out FVU was 0.59 / 0.31 / 0.14 / 0.11 / 0.14 at C = 2e-4 x 1 /
+    2 / 4 / 8 / 16. Unit start, C = UNIT_LR_C: on assay-tiny's block 2 (256 x 4096, 100 steps
+    of 4,096 tokens) held-out FVU was 0.055 / 0.039 / 0.031 / 0.027 with 2% / 3% / 14% / 57%
+    of latents dead at C = 8e-4 x 1 / 2 / 4 / 8; on SmolLM2's block 6 (576 x 9216, 20 steps)
+    0.26 / 0.17 / 0.16 at x 1 / 2 / 4. x 4 matches sparsify's signum optimiser at 100 steps.
     """
-    return 8e-4 / math.sqrt(d_sae / 2**14)
+    return (UNIT_LR_C if unit_decoder else 8e-4) / math.sqrt(d_sae / 2**14)
 
 
 def lr_at(step: int, total: int, base: float, warmup: int, decay_fraction: float) -> float:
@@ -103,11 +107,13 @@ def train_step(
             if p.grad is not None:
                 p.grad.mul_(ratio)
     dist.all_reduce_grads_(sae.parameters(), op="mean")
+    sae.project_decoder_grad_()  # unit decoder: before clipping, so the norm clipped is the one applied
     if grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(sae.parameters(), grad_clip)
     opt.step()
     opt.zero_grad(set_to_none=True)
     with full_precision(x.device):
+        sae.normalise_decoder_()
         dist.all_reduce_(out.counts)  # global firing counts: every rank keeps the same dead mask
         sae.update_threshold(_global_min(dist, out.min_kept), first)
         dead.update(out.counts, len(x) * dist.world_size)
@@ -191,12 +197,15 @@ def load_checkpoint(
 
 
 # ---- the loop ------------------------------------------------------------------------
-def init_from_data(sae: SparseAutoencoder, sample: torch.Tensor) -> None:
-    """Scale so the mean activation norm is sqrt(d_in); b_dec at the (scaled) data mean."""
+def init_from_data(sae: SparseAutoencoder, sample: torch.Tensor, fit_rows: int = 4096) -> None:
+    """Scale so the mean activation norm is sqrt(d_in); b_dec at the (scaled) data mean; with a
+    unit decoder, the encoder's scale fitted on the first `fit_rows` rows (bounds the [N, d_sae]
+    scratch)."""
     with torch.no_grad():
         scale = math.sqrt(sae.d_in) / float(sample.norm(dim=-1).mean().clamp_min(1e-12))
         sae.act_scale.fill_(scale)
         sae.b_dec.copy_(sample.mean(0) * scale)
+        sae.fit_encoder_scale(sample[:fit_rows].to(sae.b_dec.device) * scale)
 
 
 def fit(
@@ -210,7 +219,7 @@ def fit(
 ) -> dict[str, Any]:
     """Train to cfg.total_steps (resuming from run_dir/checkpoint when present)."""
     total = cfg.total_steps
-    base_lr = cfg.learning_rate or default_learning_rate(sae.d_sae)
+    base_lr = cfg.learning_rate or default_learning_rate(sae.d_sae, sae.arch.unit_decoder)
     opt = make_optimizer(sae, base_lr)
     dead = DeadLatents(sae.d_sae, cfg.dead_window_tokens)
     log = MetricsLog(run_dir / "metrics.jsonl", wandb_run)
