@@ -64,6 +64,17 @@ def test_single_process_helper_is_a_no_op():
     assert dist.shard([1, 2, 3]) == [1, 2, 3] and dist.interleave([1, 2, 3]) == [1, 2, 3]
     assert dist.rank_file("progress.json") == "progress.json" and dist.gather(7) == [7]
     assert dist.agree(None) is None and dist.agree("boom") == "boom"
+    assert dist.main_only(lambda a: a + 1, 1) == 2
+
+
+def test_main_only_hands_rank_zeros_error_to_the_caller():
+    from assay.core.errors import AssayError
+
+    def refuse() -> None:
+        raise AssayError("no pool")
+
+    with pytest.raises(AssayError, match="no pool"):
+        Distributed().main_only(refuse)
 
 
 def test_shares_are_equal_length_and_cover_everything():

@@ -10,8 +10,8 @@ Precision: no FSDP MixedPrecisionPolicy for compute; the project's autocast over
 weights runs inside the sharded blocks as it does without FSDP. Only the gradient reduction
 dtype is pinned to fp32 (as every other reduction in assay), which matters for bf16-pure.
 
-Sharded parameters are DTensors; `full_tensor` and `like` convert between them and plain
-full tensors for saving and loading (both are collectives when sharded: every rank calls).
+Sharded parameters are DTensors; `full_tensor` (an all-gather: every rank calls it) and `like`
+convert between them and plain whole tensors for saving and loading.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as tdist
@@ -27,6 +27,12 @@ from torch import nn
 
 from assay.core.distributed import Distributed
 from assay.core.errors import AssayError
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
+
+    from assay.core.config import ModelConfig
+    from assay.core.precision import PrecisionPolicy
 
 
 def require_processes(dist: Distributed) -> None:
@@ -54,7 +60,7 @@ def shard_model(model: nn.Module, dist: Distributed) -> nn.Module:
     divided by the whole batch's token count, exactly as for the hand-written DDP reduction.
     """
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     require_processes(dist)
     # FSDP warns that a model returning a view (HF logits) loses its backward hook if the view
@@ -67,14 +73,21 @@ def shard_model(model: nn.Module, dist: Distributed) -> nn.Module:
     for block in decoder_blocks(model):
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
-    for unit in model.modules():
-        if isinstance(unit, FSDPModule):
-            unit.set_gradient_divide_factor(1.0)
-            unit.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+    for unit in _units(model):
+        unit.set_gradient_divide_factor(1.0)
+        unit.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
     return model
 
 
-def load_sharded_model(model_cfg: Any, policy: Any, attention: str, dist: Distributed) -> nn.Module:
+def _units(model: nn.Module) -> list[FSDPModule]:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def load_sharded_model(
+    model_cfg: ModelConfig, policy: PrecisionPolicy, attention: str, dist: Distributed
+) -> nn.Module:
     """`load_model` for --fsdp: loaded on the CPU (a model larger than one GPU never sits on it
     whole), rank 0's weights on every rank (a fresh LoRA starts identical), then sharded onto
     this rank's device."""
@@ -92,17 +105,18 @@ def load_sharded_model(model_cfg: Any, policy: Any, attention: str, dist: Distri
 def same_batch_on_every_rank(model: nn.Module) -> Iterator[None]:
     """Inside the block every rank runs the SAME batches (sharded weights, no data split):
     gradients are averaged over ranks, so they equal one process's. A no-op when not sharded."""
-    units = [m for m in model.modules() if is_sharded(m)]
+    units = _units(model)
     for unit in units:
-        unit.set_gradient_divide_factor(float(Distributed.current().world_size))  # type: ignore[operator]
+        unit.set_gradient_divide_factor(float(Distributed.current().world_size))
     try:
         yield
     finally:
         for unit in units:
-            unit.set_gradient_divide_factor(1.0)  # type: ignore[operator]
+            unit.set_gradient_divide_factor(1.0)
 
 
 def is_sharded(model: nn.Module) -> bool:
+    """Whether `shard_model` sharded this model."""
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(model, FSDPModule)
@@ -120,11 +134,11 @@ def like(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     when `param` is sharded, else `full` itself, in `param`'s dtype and device."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    full = full.to(param.device if not isinstance(param, DTensor) else full.device, param.dtype)
     if isinstance(param, DTensor):
-        local = full.to(param.to_local().device)
-        return distribute_tensor(local, param.device_mesh, param.placements, src_data_rank=None)
-    return full
+        whole = full.to(param.to_local().device, param.dtype)
+        # src_data_rank=None: every rank holds `full` already, so each slices its own shard
+        return distribute_tensor(whole, param.device_mesh, param.placements, src_data_rank=None)
+    return full.to(param.device, param.dtype)
 
 
 def full_state_dict(model: nn.Module) -> dict[str, Any]:
