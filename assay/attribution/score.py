@@ -245,7 +245,10 @@ def stream_moment_sums(index: GradientIndex, chunk_rows: int) -> dict[str, torch
 
 
 def auto_chunk_rows(dim: int) -> int:
-    """Rows per chunk so a chunk's fp32 copy is ~8 MiB: it stays in cache between cast and GEMM."""
+    """Rows per chunk, ~8 MiB of fp32: a few file reads per second of work, few top-k merges.
+
+    (The arithmetic runs on cache-sized blocks within the chunk; see kernel.BLOCK_BYTES.)
+    """
     return max(64, (8 << 20) // (4 * dim))
 
 
