@@ -94,7 +94,8 @@ def run_ours(
     sae = SparseAutoencoder(d_in, d_sae, arch)
     with torch.no_grad():
         sae.b_dec.copy_(data[0].mean(0))  # as the peers do (sparsify: first batch mean)
-    sae.fit_encoder_scale(data[0])  # as assay's init_from_data does (unit decoder start)
+    if not args.no_fit:  # --no_fit: the ablation of the unit start's fitted encoder scale
+        sae.fit_encoder_scale(data[0])  # as assay's init_from_data does (unit decoder start)
     lr = args.lr or default_learning_rate(d_sae, sae.arch.unit_decoder)
     opt = make_optimizer(sae, lr)
     policy = PrecisionPolicy.resolve(precision)
@@ -107,11 +108,8 @@ def run_ours(
     speed = timer.tokens_per_s(args.batch)
     q = quality(sae.forward, sae.encode, held_out)
     rec = record("assay", precision, d_in, d_sae, args, speed, q, dead.fraction())
-    return {
-        **rec,
-        "kernel": "sparse" if sparse else "dense",
-        "init": "unit" if arch.unit_decoder else "small",
-    }
+    init_name = ("unit-nofit" if args.no_fit else "unit") if arch.unit_decoder else "small"
+    return {**rec, "kernel": "sparse" if sparse else "dense", "init": init_name, "lr": lr}
 
 
 def table(files: list[Path]) -> None:
@@ -120,18 +118,13 @@ def table(files: list[Path]) -> None:
     for path in files:
         for line in path.read_text().splitlines():
             r = json.loads(line)
-            key = (
-                r["d_in"],
-                r["d_sae"],
-                r["library"],
-                r.get("init", "-"),
-                r.get("kernel", "-"),
-                r["precision"],
-            )
+            lr = f"{r['lr']:.2g}" if "lr" in r else "-"  # assay rows; the peers' Adam runs share it
+            key = (r["d_in"], r["d_sae"], r["library"], r.get("init", "-"), lr, r.get("kernel", "-"))
+            key += (r["precision"],)
             groups.setdefault(key, []).append(r)
-    print("| d_in x d_sae | library | init | kernel | precision | tokens/s | FVU | L0 | dead | runs |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for (d_in, d_sae, lib, init, kernel, prec), rs in sorted(groups.items()):
+    print("| d_in x d_sae | library | init | lr | kernel | precision | tokens/s | FVU | L0 | dead | runs |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for (d_in, d_sae, lib, init, lr, kernel, prec), rs in sorted(groups.items()):
         speed = float(np.median([r["tokens_per_s"] for r in rs]))
         fvu, l0 = float(np.median([r["fvu"] for r in rs])), float(np.median([r["l0"] for r in rs]))
         dead = float(np.median([r["dead_fraction"] for r in rs]))
@@ -139,6 +132,7 @@ def table(files: list[Path]) -> None:
             f"{d_in} x {d_sae}",
             lib,
             init,
+            lr,
             kernel,
             prec,
             f"{speed:,.0f}",
@@ -161,6 +155,7 @@ def main() -> None:
     p.add_argument("--precision", nargs="+", default=["fp32", "bf16"])
     p.add_argument("--kernels", nargs="+", default=["sparse"], choices=["sparse", "dense"])
     p.add_argument("--inits", nargs="+", default=["auto"], choices=["auto", "unit", "small"])
+    p.add_argument("--no_fit", action="store_true", help="unit start: encoder = plain transpose")
     p.add_argument("--k", type=int, default=32)
     p.add_argument("--batch", type=int, default=4096)
     p.add_argument("--steps", type=int, default=100)
