@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -37,7 +38,16 @@ def torchrun(*args: str, nproc: int = 2, timeout: float = 300) -> subprocess.Com
     env.pop("WORLD_SIZE", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
     cmd += ["--master_addr=127.0.0.1", f"--master_port={_free_port()}", *args]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    with subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT
+    ) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.terminate()  # torchrun passes SIGTERM on to its ranks: a hung job leaves none behind
+            proc.communicate(timeout=60)
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def _ok(proc: subprocess.CompletedProcess) -> None:
@@ -141,6 +151,23 @@ def test_build_fsdp_two_processes_equal_one(tmp_path, built, tiny_model_dir, man
     (s1, _), (s2, _) = one.preconditioner_stats(), two.preconditioner_stats()
     for name in s1:
         torch.testing.assert_close(s2[name], s1[name], rtol=1e-5, atol=1e-6)
+    # Interrupted with rank 0 done and rank 1 not started (rows lost): the ranks must resume in
+    # step from the least advanced one (else rank 1 waits forever in rank 0's absent forwards).
+    part = tmp_path / "fsdp.part"
+    (tmp_path / "fsdp").rename(part)
+    (part / "run.json").unlink()
+    rows = np.load(part / "gradients.npy", mmap_mode="r+")
+    rows[:] = 0
+    rows.flush()
+    del rows, two
+    for rank in (0, 1):
+        record = json.loads((part / f"progress.rank{rank}-of-2.json").read_text())
+        record["batches_done"] = record["num_batches"] if rank == 0 else 0
+        (part / f"progress.rank{rank}-of-2.json").write_text(json.dumps(record))
+    _ok(torchrun("-m", "assay", "build", str(tmp_path / "fsdp"), *args, timeout=120))
+    np.testing.assert_allclose(
+        assay.open_index(tmp_path / "fsdp").gradients, one.gradients, rtol=1e-5, atol=1e-6
+    )
 
 
 @pytest.mark.parametrize("command", ["build", "finetune"])
@@ -407,4 +434,5 @@ def _worker_resume(out: str, *args: str) -> int:
 
 if __name__ == "__main__":
     mode, *rest = sys.argv[1:]
-    sys.exit({"fail": _worker_fail, "sae": _worker_sae, "resume": _worker_resume}[mode](*rest))
+    workers: dict[str, Any] = {"fail": _worker_fail, "sae": _worker_sae, "resume": _worker_resume}
+    sys.exit(workers[mode](*rest))
