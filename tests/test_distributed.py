@@ -3,7 +3,9 @@
 Each distributed case launches `python -m torch.distributed.run --nproc_per_node 2 ...` as a
 subprocess (the same launcher users run) and compares with an in-process single-process run.
 Run as a script (`torchrun ... tests/test_distributed.py MODE ARGS`), this file is also the
-worker for the cases that need code inside the ranks (the SAE step, a failing rank).
+worker for the cases that need code inside the ranks (the SAE step, a failing rank, an
+interrupted finetune). Its launcher and reference runs are shared by test_fsdp.py (--fsdp) and
+test_distributed_stages.py (filter, coreset).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from assay.core.distributed import Distributed
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -37,7 +39,7 @@ def torchrun(*args: str, nproc: int = 2, timeout: float = 300) -> subprocess.Com
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     env.pop("WORLD_SIZE", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
-    cmd += ["--master_addr=127.0.0.1", f"--master_port={_free_port()}", *args]
+    cmd += ["--master_addr=127.0.0.1", f"--master_port={free_port()}", *args]
     with subprocess.Popen(
         cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT
     ) as proc:
@@ -50,20 +52,24 @@ def torchrun(*args: str, nproc: int = 2, timeout: float = 300) -> subprocess.Com
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
-def _ok(proc: subprocess.CompletedProcess) -> None:
+def ok(proc: subprocess.CompletedProcess) -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 
-@pytest.fixture(scope="module")
-def many_jsonl(tmp_path_factory) -> Path:
+def write_many(folder: Path) -> Path:
     """13 texts of varied length: an odd count, so ranks get uneven shares of batches."""
     rng = np.random.default_rng(0)
     words = "the king queen folk tune jig reel air of to and a in my love".split()
-    path = tmp_path_factory.mktemp("data") / "many.jsonl"
+    path = folder / "many.jsonl"
     with open(path, "w") as f:
         for _ in range(13):
             f.write(json.dumps({"text": " ".join(rng.choice(words, rng.integers(3, 30)))}) + "\n")
     return path
+
+
+@pytest.fixture(scope="module")
+def many_jsonl(tmp_path_factory) -> Path:
+    return write_many(tmp_path_factory.mktemp("data"))
 
 
 # ---- the helper in one process ---------------------------------------------------------------
@@ -112,7 +118,7 @@ def built(tmp_path_factory, tiny_model_dir, many_jsonl) -> tuple[Path, Path]:
     folder = tmp_path_factory.mktemp("build")
     args = ["--model", str(tiny_model_dir), "--dataset", str(many_jsonl), *BUILD_FLAGS]
     assert main(["build", str(folder / "one"), *args]) == 0
-    _ok(torchrun("-m", "assay", "build", str(folder / "two"), *args))
+    ok(torchrun("-m", "assay", "build", str(folder / "two"), *args))
     return folder / "one", folder / "two"
 
 
@@ -134,50 +140,6 @@ def test_build_two_processes_equal_one(built):
         torch.testing.assert_close(s2[name], s1[name], rtol=1e-5, atol=1e-6)
 
 
-def test_build_fsdp_two_processes_equal_one(tmp_path, built, tiny_model_dir, many_jsonl):
-    """--fsdp: sharded weights (gathered per decoder block), the normalizer estimated by all ranks
-    together from gathered gradients; fp32, so rows and statistics match to summation order."""
-    import assay
-
-    args = ["--model", str(tiny_model_dir), "--dataset", str(many_jsonl), *BUILD_FLAGS, "--fsdp"]
-    _ok(torchrun("-m", "assay", "build", str(tmp_path / "fsdp"), *args))
-    one, two = assay.open_index(built[0]), assay.open_index(tmp_path / "fsdp")
-    assert two.meta["model"]["fingerprint"] == one.meta["model"]["fingerprint"]  # of the whole weights
-    np.testing.assert_array_equal(one.ids, two.ids)
-    np.testing.assert_allclose(two.gradients, one.gradients, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(two.losses, one.losses, rtol=1e-6, atol=1e-6)
-    for key, value in one.normalizer_tensors().items():
-        torch.testing.assert_close(two.normalizer_tensors()[key], value, rtol=1e-6, atol=0)
-    (s1, _), (s2, _) = one.preconditioner_stats(), two.preconditioner_stats()
-    for name in s1:
-        torch.testing.assert_close(s2[name], s1[name], rtol=1e-5, atol=1e-6)
-    # Interrupted with rank 0 done and rank 1 not started (rows lost): the ranks must resume in
-    # step from the least advanced one (else rank 1 waits forever in rank 0's absent forwards).
-    part = tmp_path / "fsdp.part"
-    (tmp_path / "fsdp").rename(part)
-    (part / "run.json").unlink()
-    rows = np.load(part / "gradients.npy", mmap_mode="r+")
-    rows[:] = 0
-    rows.flush()
-    del rows, two
-    for rank in (0, 1):
-        record = json.loads((part / f"progress.rank{rank}-of-2.json").read_text())
-        record["batches_done"] = record["num_batches"] if rank == 0 else 0
-        (part / f"progress.rank{rank}-of-2.json").write_text(json.dumps(record))
-    _ok(torchrun("-m", "assay", "build", str(tmp_path / "fsdp"), *args, timeout=120))
-    np.testing.assert_allclose(
-        assay.open_index(tmp_path / "fsdp").gradients, one.gradients, rtol=1e-5, atol=1e-6
-    )
-
-
-@pytest.mark.parametrize("command", ["build", "finetune"])
-def test_fsdp_in_one_process_is_refused_before_writing(command, tmp_path):
-    from assay.cli import main
-
-    assert main([command, str(tmp_path / "out"), "--fsdp"]) == 2
-    assert not any(tmp_path.iterdir())
-
-
 def test_build_run_folder_holds_each_ranks_progress(built):
     _, two = built
     names = {p.name for p in two.iterdir()}
@@ -196,7 +158,7 @@ def test_score_two_processes_equal_one(tmp_path, built, many_jsonl):
     args = ["--index", str(one_index), "--query_dataset", str(many_jsonl), "--query_split", "train"]
     args += ["--query_max_samples", "3", "--top_k", "4", "--save_scores", "--damping", "0.1"]
     assert main(["score", str(tmp_path / "one"), *args]) == 0
-    _ok(torchrun("-m", "assay", "score", str(tmp_path / "two"), *args))
+    ok(torchrun("-m", "assay", "score", str(tmp_path / "two"), *args))
     s1, s2 = (np.load(tmp_path / r / "scores.npy") for r in ("one", "two"))
     assert s1.shape == (3, 13)
     np.testing.assert_allclose(s2, s1, rtol=1e-5, atol=1e-6)
@@ -208,7 +170,7 @@ def test_score_two_processes_equal_one(tmp_path, built, many_jsonl):
 
 
 # ---- finetune --------------------------------------------------------------------------------
-def _metrics(folder: Path) -> list[dict]:
+def metrics(folder: Path) -> list[dict]:
     return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -219,22 +181,25 @@ FINETUNE_FLAGS = [
 ]  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def finetuned(tmp_path_factory, tiny_model_dir, many_jsonl) -> tuple[Path, list[str]]:
+def finetune_one(folder: Path, model_dir: Path, data: Path) -> tuple[Path, list[str]]:
     """(the 1-process run, its arguments): 4 steps of effective batch 4 over 13 examples."""
     from assay.cli import main
 
-    args = ["--model", str(tiny_model_dir), "--dataset", str(many_jsonl), *FINETUNE_FLAGS]
-    one = tmp_path_factory.mktemp("finetune") / "one"
-    assert main(["finetune", str(one), *args]) == 0
-    return one, args
+    args = ["--model", str(model_dir), "--dataset", str(data), *FINETUNE_FLAGS]
+    assert main(["finetune", str(folder / "one"), *args]) == 0
+    return folder / "one", args
 
 
-def _assert_same_training(one: Path, two: Path) -> None:
+@pytest.fixture(scope="module")
+def finetuned(tmp_path_factory, tiny_model_dir, many_jsonl) -> tuple[Path, list[str]]:
+    return finetune_one(tmp_path_factory.mktemp("finetune"), tiny_model_dir, many_jsonl)
+
+
+def assert_same_training(one: Path, two: Path) -> None:
     """Same loss curve and gradient norms (fp32 noise), same saved weights and Adam moments."""
     from safetensors.torch import load_file
 
-    m1, m2 = _metrics(one), _metrics(two)
+    m1, m2 = metrics(one), metrics(two)
     assert len(m1) == len(m2) == 6  # step 0, steps 1-4, final
     for a, b in zip(m1[1:5], m2[1:5], strict=True):
         assert a["step"] == b["step"]
@@ -254,25 +219,15 @@ def test_finetune_two_processes_follow_the_one_process_loss_curve(tmp_path, fine
     """Effective batch 4 = 2 ranks x 1 micro x 2 accumulation; the 4th step has 1 example, so
     rank 1 has nothing to do in it and must still join the gradient reduction."""
     one, args = finetuned
-    _ok(torchrun("-m", "assay", "finetune", str(tmp_path / "two"), *args))
-    _assert_same_training(one, tmp_path / "two")
-
-
-def test_finetune_fsdp_two_processes_follow_one_and_resume(tmp_path, finetuned):
-    """--fsdp (sharded weights, gradients and Adam moments), interrupted after step 3 and resumed
-    from the step-2 checkpoint (gathered whole, then re-sharded): the same run as one process."""
-    one, args = finetuned
-    proc = torchrun(__file__, "resume", str(tmp_path / "fsdp"), *args, "--fsdp")
-    _ok(proc)
-    assert "resuming from step 2 of 4" in proc.stderr
-    _assert_same_training(one, tmp_path / "fsdp")
+    ok(torchrun("-m", "assay", "finetune", str(tmp_path / "two"), *args))
+    assert_same_training(one, tmp_path / "two")
 
 
 # ---- sae train -------------------------------------------------------------------------------
 def test_sae_steps_on_two_ranks_equal_one_process_on_the_global_batch(tmp_path, tiny_model_dir, many_jsonl):
     """Three TopK steps: 2 ranks x 32 rows == 1 process x 64 rows (weights, Adam, dead counters);
     then a whole `assay sae train` under the same torchrun (run folder written by rank 0)."""
-    _ok(torchrun(__file__, "sae", str(tmp_path), str(tiny_model_dir), str(many_jsonl)))
+    ok(torchrun(__file__, "sae", str(tmp_path), str(tiny_model_dir), str(many_jsonl)))
     for rank in (0, 1):
         got = json.loads((tmp_path / f"sae-step-{rank}.json").read_text())
         assert got["max_diff"] < 1e-5 and got["dead_equal"]
@@ -301,59 +256,6 @@ def test_every_rank_reports_a_refused_output_folder(built, tiny_model_dir, many_
     )
     assert proc.returncode != 0 and "already holds a finished run" in proc.stderr
     assert "(rank 0 of 2)" in proc.stderr
-
-
-# ---- filter and coreset -----------------------------------------------------------------------
-def _selected(folder: Path) -> list[str]:
-    return (folder / "selected_ids.txt").read_text().split()
-
-
-def test_filter_two_processes_equal_one(tmp_path, tiny_model_dir, many_jsonl):
-    """TrackStar filter building its own index in OUT/index: every rank joins the build, rank 0
-    scores and writes; the selection and the scores equal one process's."""
-    from assay.cli import main
-
-    args = ["--model", str(tiny_model_dir), "--dataset", str(many_jsonl), "--precision", "fp32"]
-    args += ["--strategy", "trackstar", "--num_examples", "4", "--projection_dim", "4"]
-    assert main(["filter", str(tmp_path / "one"), *args]) == 0
-    _ok(torchrun("-m", "assay", "filter", str(tmp_path / "two"), *args))
-    assert (
-        _selected(tmp_path / "two") == _selected(tmp_path / "one") and len(_selected(tmp_path / "one")) == 4
-    )
-    s1, s2 = (np.load(tmp_path / r / "scores.npy") for r in ("one", "two"))
-    np.testing.assert_allclose(s2, s1, rtol=1e-5, atol=1e-6)
-    assert {p.name for p in (tmp_path / "two" / "index").iterdir()} >= {"gradients.npy", "run.json"}
-
-
-def test_coreset_two_processes_equal_one(tmp_path, tiny_model_dir, many_jsonl):
-    """A whole (tiny) experiment under torchrun: every stage on both ranks, selection and report
-    by rank 0; the same selections and the same table as one process (fp32 noise)."""
-    from assay.cli import main
-
-    args = ["--model", str(tiny_model_dir), "--dataset", str(many_jsonl), "--precision", "fp32"]
-    args += ["--attention", "eager", "--seeds", "0", "--strategies", "random", "trackstar"]
-    args += ["--index_precisions", "fp32", "--eval_dataset", str(many_jsonl), "--eval_split", "train"]
-    args += [
-        "--num_epochs",
-        "1",
-        "--effective_batch_size",
-        "4",
-        "--micro_batch_size",
-        "2",
-        "--fraction",
-        "0.3",
-    ]
-    assert main(["coreset", str(tmp_path / "one"), *args]) == 0
-    _ok(torchrun("-m", "assay", "coreset", str(tmp_path / "two"), *args))
-    for row in ("random_seed0", "trackstar_fp32"):
-        assert _selected(tmp_path / "two" / "select" / row) == _selected(tmp_path / "one" / "select" / row)
-    r1, r2 = (json.loads((tmp_path / r / "results.json").read_text())["rows"] for r in ("one", "two"))
-    assert set(r1) == set(r2) == {"full", "random", "trackstar_fp32"}
-    for row, entry in r1.items():
-        assert r2[row]["examples"] == entry["examples"]
-        for key in ("eval_loss", "pool_loss"):
-            assert r2[row][key] == pytest.approx(entry[key], rel=1e-5)
-    assert (tmp_path / "two" / "run.json").exists() and (tmp_path / "two" / "results.md").exists()
 
 
 # ---- workers (run inside torchrun) -------------------------------------------------------------

@@ -1,0 +1,68 @@
+"""`assay filter` and `assay coreset` under torchrun with 2 CPU processes (gloo) equal 1 process."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.test_distributed import ok, torchrun, write_many
+
+
+@pytest.fixture(scope="module")
+def many_jsonl(tmp_path_factory) -> Path:
+    return write_many(tmp_path_factory.mktemp("data"))
+
+
+def _selected(folder: Path) -> list[str]:
+    return (folder / "selected_ids.txt").read_text().split()
+
+
+def test_filter_two_processes_equal_one(tmp_path, tiny_model_dir, many_jsonl):
+    """TrackStar filter building its own index in OUT/index: every rank joins the build, rank 0
+    scores and writes; the selection and the scores equal one process's."""
+    from assay.cli import main
+
+    args = ["--model", str(tiny_model_dir), "--dataset", str(many_jsonl), "--precision", "fp32"]
+    args += ["--strategy", "trackstar", "--num_examples", "4", "--projection_dim", "4"]
+    assert main(["filter", str(tmp_path / "one"), *args]) == 0
+    ok(torchrun("-m", "assay", "filter", str(tmp_path / "two"), *args))
+    assert (
+        _selected(tmp_path / "two") == _selected(tmp_path / "one") and len(_selected(tmp_path / "one")) == 4
+    )
+    s1, s2 = (np.load(tmp_path / r / "scores.npy") for r in ("one", "two"))
+    np.testing.assert_allclose(s2, s1, rtol=1e-5, atol=1e-6)
+    assert {p.name for p in (tmp_path / "two" / "index").iterdir()} >= {"gradients.npy", "run.json"}
+
+
+def test_coreset_two_processes_equal_one(tmp_path, tiny_model_dir, many_jsonl):
+    """A whole (tiny) experiment under torchrun: every stage on both ranks, selection and report
+    by rank 0; the same selections and the same table as one process (fp32 noise)."""
+    from assay.cli import main
+
+    args = ["--model", str(tiny_model_dir), "--dataset", str(many_jsonl), "--precision", "fp32"]
+    args += ["--attention", "eager", "--seeds", "0", "--strategies", "random", "trackstar"]
+    args += ["--index_precisions", "fp32", "--eval_dataset", str(many_jsonl), "--eval_split", "train"]
+    args += [
+        "--num_epochs",
+        "1",
+        "--effective_batch_size",
+        "4",
+        "--micro_batch_size",
+        "2",
+        "--fraction",
+        "0.3",
+    ]
+    assert main(["coreset", str(tmp_path / "one"), *args]) == 0
+    ok(torchrun("-m", "assay", "coreset", str(tmp_path / "two"), *args))
+    for row in ("random_seed0", "trackstar_fp32"):
+        assert _selected(tmp_path / "two" / "select" / row) == _selected(tmp_path / "one" / "select" / row)
+    r1, r2 = (json.loads((tmp_path / r / "results.json").read_text())["rows"] for r in ("one", "two"))
+    assert set(r1) == set(r2) == {"full", "random", "trackstar_fp32"}
+    for row, entry in r1.items():
+        assert r2[row]["examples"] == entry["examples"]
+        for key in ("eval_loss", "pool_loss"):
+            assert r2[row][key] == pytest.approx(entry[key], rel=1e-5)
+    assert (tmp_path / "two" / "run.json").exists() and (tmp_path / "two" / "results.md").exists()
