@@ -50,9 +50,9 @@ def default_learning_rate(d_sae: int, unit_decoder: bool = False) -> float:
     Small start, C = 8e-4: rows of norm 0.1 must grow; on SmolLM2 activations (576 x 2304, 60
     steps of 1,024 tokens) held-out FVU was 0.59 / 0.31 / 0.14 / 0.11 / 0.14 at C = 2e-4 x 1 /
     2 / 4 / 8 / 16. Unit start, C = UNIT_LR_C: on assay-tiny's block 2 (256 x 4096, 100 steps
-    of 4,096 tokens) held-out FVU was 0.055 / 0.039 / 0.031 / 0.027 with 2% / 3% / 14% / 57%
-    of latents dead at C = 8e-4 x 1 / 2 / 4 / 8; on SmolLM2's block 6 (576 x 9216, 20 steps)
-    0.26 / 0.17 / 0.16 at x 1 / 2 / 4. x 4 matches sparsify's signum optimiser at 100 steps.
+    of 4,096 tokens; bench/bench_sae.py --inits unit --lr ...) held-out FVU was 0.055 / 0.039 /
+    0.031 / 0.027 with 2% / 2% / 15% / 56% of latents dead at C = 8e-4 x 1 / 2 / 4 / 8: x 4 is
+    the best FVU short of losing half the latents (docs/BENCHMARKS.md).
     """
     return (UNIT_LR_C if unit_decoder else 8e-4) / math.sqrt(d_sae / 2**14)
 
