@@ -51,10 +51,11 @@ class SaeArchConfig:
     decoder_init: DecoderInit = "auto"
     """unit: decoder rows of norm 1, kept at norm 1 through training (the gradient along each
     row is removed and rows are renormalised after every step), encoder = the decoder's
-    transpose scaled so the first batch's reconstruction has the least-squares scale (Gao et
-    al., sparsify). small: decoder rows of norm --decoder_init_norm, encoder = its transpose,
-    norms free (the ReLU/L1 recipe). auto: unit for topk/batchtopk, small for relu/jumprelu
-    (chosen by measurement; docs/BENCHMARKS.md)."""
+    transpose, scaled (except jumprelu) so the first batch's reconstruction has the
+    least-squares scale (Gao et al., sparsify). small: decoder rows of norm --decoder_init_norm,
+    encoder = its transpose, norms free (the ReLU/L1 recipe). auto: unit for topk/batchtopk,
+    small for relu/jumprelu (chosen by measurement; docs/BENCHMARKS.md). The default learning
+    rate follows the start."""
     decoder_init_norm: float = 0.1
     """Initial norm of each decoder row with --decoder_init small (the encoder is its transpose)."""
     sparse_kernels: bool = True
@@ -108,7 +109,8 @@ class SaeTrainConfig:
     lm_batch_contexts: int = 32
     """Contexts per language-model forward while streaming activations."""
     learning_rate: float | None = None
-    """Adam learning rate (default: 8e-4 / sqrt(d_sae / 16384), Gao et al.'s width scaling)."""
+    """Adam learning rate (default: C / sqrt(d_sae / 16384), Gao et al.'s width scaling, with C =
+    3.2e-3 for the unit decoder start and 8e-4 for the small one)."""
     lr_warmup_steps: int = 50
     """Linear learning-rate warm-up from 0."""
     lr_decay_fraction: float = 0.2
