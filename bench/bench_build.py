@@ -183,6 +183,7 @@ def main() -> None:
     ap.add_argument("--process_repeats", type=int, default=2)
     ap.add_argument("--peer_python", default="", help="python of a venv with bergson 2.5.1")
     ap.add_argument("--no_process", action="store_true", help="skip whole-process runs")
+    ap.add_argument("--no_loop", action="store_true", help="skip the in-process loop timing")
     ap.add_argument("--out", default="", help="write the results as JSON here")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -194,9 +195,12 @@ def main() -> None:
         results = {"model": args.model, "tunes": n, "threads": torch.get_num_threads(), "runs": []}
         rows = {}
         for precision in args.precisions:
-            loop = loop_benchmark(args.model, data, precision, args.token_batch_size, args.repeats, args.p)
-            rows[precision] = loop.pop("rows")
-            print(json.dumps(loop), flush=True)
+            loop: dict = {"precision": precision}
+            if not args.no_loop:
+                tbs = args.token_batch_size
+                loop = loop_benchmark(args.model, data, precision, tbs, args.repeats, args.p)
+                rows[precision] = loop.pop("rows")
+                print(json.dumps(loop), flush=True)
             if not args.no_process:
                 loop["process"] = process_benchmark(args, data, precision, work)
                 print(json.dumps(loop["process"]), flush=True)
