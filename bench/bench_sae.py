@@ -90,7 +90,8 @@ def run_ours(
     held_out = torch.from_numpy(held * scale)
     torch.manual_seed(0)
     d_in = train.shape[1]
-    arch = SaeArchConfig(architecture="topk", k=args.k, sparse_kernels=sparse, decoder_init=init)  # type: ignore[arg-type]
+    kw = {"k": args.k, "sparse_kernels": sparse, "decoder_init": init}
+    arch = SaeArchConfig(architecture=args.architecture, **kw)  # type: ignore[arg-type]
     sae = SparseAutoencoder(d_in, d_sae, arch)
     with torch.no_grad():
         sae.b_dec.copy_(data[0].mean(0))  # as the peers do (sparsify: first batch mean)
@@ -107,9 +108,16 @@ def run_ours(
         train_step(sae, opt, x, dead, policy, step_lr, 0.0, 1.0, first=i == 0)
     speed = timer.tokens_per_s(args.batch)
     q = quality(sae.forward, sae.encode, held_out)
-    rec = record("assay", precision, d_in, d_sae, args, speed, q, dead.fraction())
+    name = "assay" if args.architecture == "topk" else f"assay-{args.architecture}"
+    rec = record(name, precision, d_in, d_sae, args, speed, q, dead.fraction())
     init_name = ("unit-nofit" if args.no_fit else "unit") if arch.unit_decoder else "small"
-    return {**rec, "kernel": "sparse" if sparse else "dense", "init": init_name, "lr": lr}
+    return {
+        **rec,
+        "kernel": "sparse" if sparse else "dense",
+        "init": init_name,
+        "lr": lr,
+        "arch": args.architecture,
+    }
 
 
 def table(files: list[Path]) -> None:
@@ -156,6 +164,7 @@ def main() -> None:
     p.add_argument("--kernels", nargs="+", default=["sparse"], choices=["sparse", "dense"])
     p.add_argument("--inits", nargs="+", default=["auto"], choices=["auto", "unit", "small"])
     p.add_argument("--no_fit", action="store_true", help="unit start: encoder = plain transpose")
+    p.add_argument("--architecture", default="topk", choices=["topk", "batchtopk"])
     p.add_argument("--k", type=int, default=32)
     p.add_argument("--batch", type=int, default=4096)
     p.add_argument("--steps", type=int, default=100)
