@@ -62,10 +62,8 @@ class RowSource(Protocol):
 class ArrayRows:
     """Rows of a numpy array or memmap (fp16, fp32 or fp64).
 
-    A memmap of a whole .npy file is read through this object's own private mapping of the file:
-    a chunk is a view of the page cache (no copy), and when its slot is read again its pages are
-    unmapped (MADV_DONTNEED; they stay in the page cache), so resident memory stays at a few chunks
-    however large the file is. Other arrays are copied chunk by chunk into reused buffers.
+    A memmap is read with file reads into reused buffers, so resident memory stays at a few
+    chunks however large the file is.
     """
 
     def __init__(self, array: np.ndarray):
@@ -77,38 +75,22 @@ class ArrayRows:
         self.num_rows, self.dim = (int(s) for s in array.shape)
         self._file = _backing_file(array)
         self._slots: dict[int, np.ndarray] = {}
-        self._mapping: mmap.mmap | None = None
-        self._mapped_rows: np.ndarray | None = None
-        self._handed_out: dict[int, tuple[int, int]] = {}  # slot -> byte range of its current view
-        if self._file is not None and hasattr(mmap, "MADV_DONTNEED"):
-            path, offset = self._file
-            with open(path, "rb") as f:  # ACCESS_COPY: a writable view for torch; the file is never written
-                self._mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-            count = self.num_rows * self.dim
-            self._mapped_rows = np.frombuffer(self._mapping, array.dtype, count, offset).reshape(array.shape)
 
     def read_raw(self, start: int, stop: int, slot: int = 0) -> torch.Tensor:
-        if self._mapped_rows is None:
-            raw = self._buffer(slot, stop - start)[: stop - start]
+        n = stop - start
+        raw = self._buffer(slot, n)[:n]
+        if self._file is None:
             raw[:] = self.array[start:stop]
-            return torch.from_numpy(raw)
-        self._release(slot)
-        assert self._file is not None
-        row_bytes = self.dim * self.array.itemsize
-        self._handed_out[slot] = (self._file[1] + start * row_bytes, self._file[1] + stop * row_bytes)
-        return torch.from_numpy(self._mapped_rows[start:stop])
+        else:
+            path, offset = self._file
+            with open(path, "rb", buffering=0) as f:
+                f.seek(offset + start * self.dim * self.array.itemsize)
+                if f.readinto(raw.data.cast("B")) != raw.nbytes:
+                    raise AssayError(f"{path} is shorter than its header says: a damaged index")
+        return torch.from_numpy(raw)
 
     def read(self, start: int, stop: int, slot: int = 0) -> torch.Tensor:
         return self.read_raw(start, stop, slot).to(STATS_DTYPE)
-
-    def _release(self, slot: int) -> None:
-        """Unmap the pages of the view last handed out in `slot` (a later touch maps them again)."""
-        span = self._handed_out.pop(slot, None)
-        if span is None or self._mapping is None:
-            return
-        page = mmap.PAGESIZE
-        first, end = span[0] // page * page, -(-span[1] // page) * page
-        self._mapping.madvise(mmap.MADV_DONTNEED, first, min(end, len(self._mapping)) - first)
 
     def _buffer(self, slot: int, n: int) -> np.ndarray:
         """The [n, D] stored-dtype buffer of this slot, grown when needed."""
