@@ -77,50 +77,44 @@ def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
 
 
+def _losses_and_grads(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    dtype: torch.dtype,
+    need_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """([N] fp32 token losses, [N, H] fp32 d loss/d hidden or None), a chunk of tokens at a time."""
+    w = weight.to(dtype)
+    b = None if bias is None else bias.to(dtype)
+    grad_dtype = torch.float32 if dtype == torch.float16 else dtype
+    w_grad = w.to(grad_dtype)
+    chunk = max(1, CHUNK_ELEMENTS // weight.shape[0])
+    losses = hidden.new_empty(hidden.shape[0], dtype=torch.float32)
+    grads = torch.empty_like(hidden, dtype=torch.float32) if need_grad else None
+    for start in range(0, hidden.shape[0], chunk):
+        rows = slice(start, start + chunk)
+        logits = torch.nn.functional.linear(hidden[rows].to(dtype), w, b).float()  # [c, V]
+        target = targets[rows, None]
+        picked = logits.gather(1, target)[:, 0]
+        lse = torch.logsumexp(logits, dim=1)
+        losses[rows] = lse - picked
+        if grads is not None:
+            probs = logits.sub_(lse[:, None]).exp_()  # softmax, in place: one [c, V] buffer
+            probs.scatter_add_(1, target, probs.new_full(target.shape, -1.0))
+            grads[rows] = (probs.to(grad_dtype) @ w_grad).float()
+    return losses, grads
+
+
 class _ChunkedHeadLoss(torch.autograd.Function):
     """[N] fp32 token losses of hidden [N, H] under head (W [V, H], b); d loss/d hidden kept."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        targets: torch.Tensor,
-        dtype: torch.dtype,
-        need_grad: bool,
-    ) -> torch.Tensor:
+    def forward(ctx: Any, *args: Any) -> torch.Tensor:  # type: ignore[override]
+        hidden = args[0]
         with torch.autocast(hidden.device.type, enabled=False):  # dtypes are chosen explicitly
-            return _ChunkedHeadLoss._losses(ctx, hidden, weight, bias, targets, dtype, need_grad)
-
-    @staticmethod
-    def _losses(
-        ctx: Any,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        targets: torch.Tensor,
-        dtype: torch.dtype,
-        need_grad: bool,
-    ) -> torch.Tensor:
-        w = weight.to(dtype)
-        b = None if bias is None else bias.to(dtype)
-        grad_dtype = torch.float32 if dtype == torch.float16 else dtype
-        w_grad = w.to(grad_dtype)
-        chunk = max(1, CHUNK_ELEMENTS // weight.shape[0])
-        losses = hidden.new_empty(hidden.shape[0], dtype=torch.float32)
-        grads = torch.empty_like(hidden, dtype=torch.float32) if need_grad else None
-        for start in range(0, hidden.shape[0], chunk):
-            rows = slice(start, start + chunk)
-            logits = torch.nn.functional.linear(hidden[rows].to(dtype), w, b).float()  # [c, V]
-            target = targets[rows, None]
-            picked = logits.gather(1, target)[:, 0]
-            lse = torch.logsumexp(logits, dim=1)
-            losses[rows] = lse - picked
-            if grads is not None:
-                probs = logits.sub_(lse[:, None]).exp_()  # softmax, in place: one [c, V] buffer
-                probs.scatter_add_(1, target, probs.new_full(target.shape, -1.0))
-                grads[rows] = (probs.to(grad_dtype) @ w_grad).float()
+            losses, grads = _losses_and_grads(*args)
         ctx.save_for_backward(grads)
         ctx.hidden_dtype = hidden.dtype
         return losses
