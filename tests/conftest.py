@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -16,6 +17,16 @@ SAMPLE_TEXTS = [
     "Now is the winter of our discontent made glorious summer by this sun of York.",
     "All the world's a stage, and all the men and women merely players.",
 ]
+
+
+def write_word_texts(path: Path, count: int, max_words: int) -> Path:
+    """`count` random texts of 3..max_words-1 words as jsonl (seeded): varied lengths in one file."""
+    rng = np.random.default_rng(0)
+    words = "the king queen folk tune jig reel air of to and a in my love".split()
+    with open(path, "w") as f:
+        for _ in range(count):
+            f.write(json.dumps({"text": " ".join(rng.choice(words, rng.integers(3, max_words)))}) + "\n")
+    return path
 
 
 def make_tokenizer(vocab_size: int = 300):

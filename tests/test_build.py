@@ -15,6 +15,7 @@ from assay.cli import main
 from assay.core.config import DataConfig
 from assay.core.data import load_examples
 from assay.core.errors import AssayError
+from tests.conftest import write_word_texts
 
 
 def _build(out, model_dir, data, *extra) -> int:
@@ -29,13 +30,7 @@ def _rows(path) -> np.ndarray:
 @pytest.fixture
 def many_jsonl(tmp_path):
     """24 texts of varied length: enough for several token batches."""
-    rng = np.random.default_rng(0)
-    words = "the king queen folk tune jig reel air of to and a in my love".split()
-    path = tmp_path / "many.jsonl"
-    with open(path, "w") as f:
-        for _ in range(24):
-            f.write(json.dumps({"text": " ".join(rng.choice(words, rng.integers(3, 40)))}) + "\n")
-    return path
+    return write_word_texts(tmp_path / "many.jsonl", 24, 40)
 
 
 def test_index_format_and_api(tmp_path, tiny_model_dir, texts_jsonl, capsys):

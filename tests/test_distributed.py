@@ -58,13 +58,9 @@ def ok(proc: subprocess.CompletedProcess) -> None:
 
 def write_many(folder: Path) -> Path:
     """13 texts of varied length: an odd count, so ranks get uneven shares of batches."""
-    rng = np.random.default_rng(0)
-    words = "the king queen folk tune jig reel air of to and a in my love".split()
-    path = folder / "many.jsonl"
-    with open(path, "w") as f:
-        for _ in range(13):
-            f.write(json.dumps({"text": " ".join(rng.choice(words, rng.integers(3, 30)))}) + "\n")
-    return path
+    from tests.conftest import write_word_texts  # here: this file also runs as a torchrun script
+
+    return write_word_texts(folder / "many.jsonl", 13, 30)
 
 
 @pytest.fixture(scope="module")

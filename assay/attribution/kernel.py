@@ -261,7 +261,7 @@ def block_scores(plan: QueryPlan, rows: torch.Tensor, start: int) -> torch.Tenso
     """[A, c] scores of fp32 rows [c, D] starting at row `start`."""
     if plan.stacked is not None:
         return stacked_scores(plan, rows, start)
-    scores = plan.vectors @ rows.T  # this orientation: ~1.5x faster than rows @ V.T for small c
+    scores = plan.vectors @ rows.T  # [A, c]: this orientation measured faster than rows @ V.T here
     if plan.row_norm == "raw":
         scores /= torch.linalg.vector_norm(rows, dim=1).clamp_min(EPS)
     elif plan.row_norm == "whitened":

@@ -14,8 +14,8 @@ def return_freed_memory() -> None:
     """Serve every allocation of 1 MiB or more from its own mapping, returned to the OS when freed.
 
     glibc raises its mmap threshold after each large free (up to 32 MiB), so activation-sized
-    tensors soon come from heap arenas, which fragment and keep freed memory: a gradient-collection
-    step on SmolLM2-135M then peaks about 1 GB above its live tensors (bench/bench_build.py).
+    tensors soon come from heap arenas, which fragment and keep freed memory, and a process's
+    peak resident memory grows well past its live tensors (see bench/bench_build.py's peaks).
     Fixing the threshold, as the MALLOC_MMAP_THRESHOLD_ variable does, keeps the peak near the
     live peak. A threshold the user set in the environment is left alone; no-op off glibc.
     """
