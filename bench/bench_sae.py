@@ -28,10 +28,12 @@ from assay.core.data import load_examples  # noqa: E402
 from assay.core.models import load_model, load_tokenizer  # noqa: E402
 from assay.core.paths import cache_dir  # noqa: E402
 from assay.core.precision import PrecisionPolicy  # noqa: E402
+from assay.sae import train as train_mod  # noqa: E402
 from assay.sae.activations import LMActivations, pack_contexts, write_cache  # noqa: E402
 from assay.sae.config import SaeArchConfig  # noqa: E402
 from assay.sae.metrics import DeadLatents  # noqa: E402
 from assay.sae.model import SparseAutoencoder  # noqa: E402
+from assay.sae.optim import averaged  # noqa: E402
 from assay.sae.train import default_learning_rate, lr_at, make_optimizer, train_step  # noqa: E402
 
 
@@ -90,24 +92,30 @@ def run_ours(
     held_out = torch.from_numpy(held * scale)
     torch.manual_seed(0)
     d_in = train.shape[1]
-    kw = {"k": args.k, "sparse_kernels": sparse, "decoder_init": init}
+    kw = {"k": args.k, "sparse_kernels": sparse, "decoder_init": init, "aux_coefficient": args.aux}
     arch = SaeArchConfig(architecture=args.architecture, **kw)  # type: ignore[arg-type]
     sae = SparseAutoencoder(d_in, d_sae, arch)
     with torch.no_grad():
         sae.b_dec.copy_(data[0].mean(0))  # as the peers do (sparsify: first batch mean)
     if not args.no_fit:  # --no_fit: the ablation of the unit start's fitted encoder scale
         sae.fit_encoder_scale(data[0])  # as assay's init_from_data does (unit decoder start)
-    lr = args.lr or default_learning_rate(d_sae, sae.arch.unit_decoder)
-    opt = make_optimizer(sae, lr)
+    lr = args.lr or default_learning_rate(d_sae, sae.arch.unit_decoder, args.optimizer)
+    train_mod.SIGNUM_MOMENTUM = args.momentum
+    opt = make_optimizer(sae, lr, args.optimizer)
+    train_mod.RENORM = args.renorm
+    # signum: schedule-free, so no decay; warm-up only with --signum_warmup
+    signum = (args.signum_warmup, args.signum_decay)
+    warmup, decay = signum if args.optimizer == "signum" else (args.warmup, args.decay)
     policy = PrecisionPolicy.resolve(precision)
     dead = DeadLatents(d_sae, window=DEAD_WINDOW_STEPS * args.batch)
     timer = Timer()
     for i, x in enumerate(data):
         timer.step(i)
-        step_lr = lr_at(i, args.steps, lr, args.warmup, args.decay)
+        step_lr = lr_at(i, args.steps, lr, warmup, decay)
         train_step(sae, opt, x, dead, policy, step_lr, 0.0, 1.0, first=i == 0)
     speed = timer.tokens_per_s(args.batch)
-    q = quality(sae.forward, sae.encode, held_out)
+    with averaged(opt):  # signum: the averaged point x
+        q = quality(sae.forward, sae.encode, held_out)
     name = "assay" if args.architecture == "topk" else f"assay-{args.architecture}"
     rec = record(name, precision, d_in, d_sae, args, speed, q, dead.fraction())
     init_name = ("unit-nofit" if args.no_fit else "unit") if arch.unit_decoder else "small"
@@ -117,6 +125,9 @@ def run_ours(
         "init": init_name,
         "lr": lr,
         "arch": args.architecture,
+        "optimizer": args.optimizer + (f"-{args.renorm}" if args.optimizer == "signum" else ""),
+        "schedule": [warmup, decay] + ([args.momentum] if args.optimizer == "signum" else []),
+        "aux_coefficient": arch.aux_coefficient,
     }
 
 
@@ -127,7 +138,8 @@ def table(files: list[Path]) -> None:
         for line in path.read_text().splitlines():
             r = json.loads(line)
             lr = f"{r['lr']:.2g}" if "lr" in r else "-"  # assay rows; the peers' Adam runs share it
-            key = (r["d_in"], r["d_sae"], r["library"], r.get("init", "-"), lr, r.get("kernel", "-"))
+            lib = r["library"] + (f" {r['optimizer']}" if "optimizer" in r else "")
+            key = (r["d_in"], r["d_sae"], lib, r.get("init", "-"), lr, r.get("kernel", "-"))
             key += (r["precision"],)
             groups.setdefault(key, []).append(r)
     print("| d_in x d_sae | library | init | lr | kernel | precision | tokens/s | FVU | L0 | dead | runs |")
@@ -171,6 +183,14 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=None)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--decay", type=float, default=0.2)
+    p.add_argument("--optimizer", default="adam", choices=["adam", "signum"])
+    p.add_argument(
+        "--renorm", default="y", choices=["y", "z", "zx"], help="signum: decoder rows renormalised"
+    )
+    p.add_argument("--signum_warmup", type=int, default=0)
+    p.add_argument("--signum_decay", type=float, default=0.0)
+    p.add_argument("--momentum", type=float, default=0.95, help="signum: schedule-free beta")
+    p.add_argument("--aux", type=float, default=1 / 32, help="AuxK coefficient")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()

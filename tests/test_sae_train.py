@@ -26,7 +26,8 @@ from assay.sae.config import SaeArchConfig, SaeTrainConfig
 from assay.sae.evaluate import splice_metrics
 from assay.sae.metrics import DeadLatents, ReconstructionStats
 from assay.sae.model import SparseAutoencoder
-from assay.sae.train import init_from_data, make_optimizer, train_step
+from assay.sae.optim import averaged as averaged_point
+from assay.sae.train import default_learning_rate, init_from_data, make_optimizer, train_step
 from tests.conftest import SAMPLE_TEXTS
 
 HOOK = "model.layers.0"
@@ -118,28 +119,31 @@ def _take(it, n):  # type: ignore[no-untyped-def]
         yield next(it)
 
 
-def _train_fvu(precision: str, source, steps: int = 120) -> float:  # type: ignore[no-untyped-def]
+def _train_fvu(precision: str, source, optimizer: str, steps: int = 120) -> float:  # type: ignore[no-untyped-def]
     torch.manual_seed(0)
     sae = SparseAutoencoder(32, 256, SaeArchConfig(architecture="topk", k=8))
     batches = ShuffledBatches(source, batch_tokens=256, buffer_batches=4, seed=0)
     init_from_data(sae, batches.fill(0))
-    opt = make_optimizer(sae, 3e-3)
+    lr = 3e-3 if optimizer == "adam" else default_learning_rate(256, True, "signum")
+    opt = make_optimizer(sae, lr, optimizer)
     policy = PrecisionPolicy.resolve(precision)
     dead = DeadLatents(256, 10**9)
     for i, x in enumerate(_take(batches.iterate(), steps)):
-        train_step(sae, opt, x * sae.act_scale, dead, policy, 3e-3, 0.0, 1.0, first=i == 0)
+        train_step(sae, opt, x * sae.act_scale, dead, policy, lr, 0.0, 1.0, first=i == 0)
     held_out = source.rows(np.arange(source.n_contexts - 8, source.n_contexts))  # fixed evaluation set
     stats = ReconstructionStats(32, 256)
-    stats.update(held_out, sae.reconstruct(held_out), sae.encode(held_out * sae.act_scale))
+    with averaged_point(opt):  # signum: evaluated at x, as fit() saves it
+        stats.update(held_out, sae.reconstruct(held_out), sae.encode(held_out * sae.act_scale))
     return stats.result()["fvu"]
 
 
-def test_bf16_and_fp32_reach_the_same_fvu_on_the_same_cached_activations(model, tmp_path) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("optimizer", ["adam", "signum"])
+def test_bf16_and_fp32_reach_the_same_fvu_on_the_same_cached_activations(model, tmp_path, optimizer) -> None:  # type: ignore[no-untyped-def]
     ids = pack_contexts(np.random.default_rng(0).integers(0, model.config.vocab_size, 96 * 16), 16)
     stream = LMActivations(model, HOOK, ids, PrecisionPolicy.resolve("fp32"), batch_contexts=32)
     write_cache(stream, tmp_path / "cache", {})
     cached = CachedActivations(tmp_path / "cache")
-    f32, bf16 = _train_fvu("fp32", cached), _train_fvu("bf16", cached)
+    f32, bf16 = _train_fvu("fp32", cached, optimizer), _train_fvu("bf16", cached, optimizer)
     assert f32 < 0.5  # it learned something
     assert abs(f32 - bf16) < 0.01, (f32, bf16)
 
@@ -164,10 +168,12 @@ def _cfg(tiny_model_dir, corpus, out, **kw) -> SaeTrainConfig:  # type: ignore[n
     )
 
 
+@pytest.mark.parametrize("optimizer", ["adam", "signum"])
 def test_resume_reaches_exactly_the_uninterrupted_weights(
-    tiny_model_dir, corpus, tmp_path, monkeypatch
+    tiny_model_dir, corpus, tmp_path, monkeypatch, optimizer
 ) -> None:  # type: ignore[no-untyped-def]
-    straight = train_mod.train_sae(_cfg(tiny_model_dir, corpus, tmp_path / "a", architecture="batchtopk"))
+    kw = {"architecture": "batchtopk", "optimizer": optimizer}
+    straight = train_mod.train_sae(_cfg(tiny_model_dir, corpus, tmp_path / "a", **kw))
     real_step, calls = train_mod.train_step, {"n": 0}
 
     def crashing_step(*args, **kwargs):  # type: ignore[no-untyped-def]
@@ -177,7 +183,7 @@ def test_resume_reaches_exactly_the_uninterrupted_weights(
         return real_step(*args, **kwargs)
 
     monkeypatch.setattr(train_mod, "train_step", crashing_step)
-    cfg_b = _cfg(tiny_model_dir, corpus, tmp_path / "b", architecture="batchtopk")
+    cfg_b = _cfg(tiny_model_dir, corpus, tmp_path / "b", **kw)
     with pytest.raises(KeyboardInterrupt):
         train_mod.train_sae(cfg_b)
     assert (tmp_path / "b.part" / "checkpoint" / "state.json").exists()

@@ -17,6 +17,7 @@ from assay.core.errors import AssayError
 Architecture = Literal["relu", "topk", "batchtopk", "jumprelu"]
 ARCHITECTURES: tuple[str, ...] = ("relu", "topk", "batchtopk", "jumprelu")
 DecoderInit = Literal["auto", "unit", "small"]
+OPTIMIZERS: tuple[str, ...] = ("auto", "adam", "signum")
 FP16_REFUSAL = (
     "--precision fp16 is not supported for SAE training: it degraded SAE training badly and its "
     "loss scaling makes runs fragile; use --precision bf16 (fp32's exponent range) or fp32"
@@ -108,13 +109,19 @@ class SaeTrainConfig:
     """Shuffling buffer size in batches: each batch mixes tokens of this many batches' contexts."""
     lm_batch_contexts: int = 32
     """Contexts per language-model forward while streaming activations."""
+    optimizer: str = "auto"
+    """auto, adam or signum. signum: schedule-free sign-SGD (Defazio et al.'s averaging around
+    sign updates; sparsify's default); the SAE is evaluated and saved at the averaged point.
+    auto: signum for topk/batchtopk, adam for relu/jumprelu (chosen by measurement;
+    docs/BENCHMARKS.md)."""
     learning_rate: float | None = None
-    """Adam learning rate (default: C / sqrt(d_sae / 16384), Gao et al.'s width scaling, with C =
-    3.2e-3 for the unit decoder start and 8e-4 for the small one)."""
-    lr_warmup_steps: int = 50
-    """Linear learning-rate warm-up from 0."""
-    lr_decay_fraction: float = 0.2
-    """Final fraction of steps over which the learning rate decays linearly to 0."""
+    """Learning rate (default: C / sqrt(d_sae / 16384), Gao et al.'s width scaling; adam: C =
+    3.2e-3 for the unit decoder start and 8e-4 for the small one; signum: C = 5e-3)."""
+    lr_warmup_steps: int | None = None
+    """Linear learning-rate warm-up from 0 (default: 50 steps with adam, 0 with signum)."""
+    lr_decay_fraction: float | None = None
+    """Final fraction of steps over which the learning rate decays linearly to 0 (default: 0.2
+    with adam, 0 with signum, whose averaging replaces the decay)."""
     l1_warmup_fraction: float = 0.05
     """Fraction of steps over which the L1/L0 coefficient ramps up from 0 (relu, jumprelu)."""
     grad_clip: float = 1.0
@@ -153,7 +160,11 @@ class SaeTrainConfig:
                 raise AssayError(f"--{name} must be positive")
         if self.training_tokens < self.batch_tokens:
             raise AssayError("--training_tokens must be at least --batch_tokens")
-        if not 0 <= self.lr_decay_fraction <= 1 or not 0 <= self.l1_warmup_fraction <= 1:
+        if self.optimizer not in OPTIMIZERS:
+            raise AssayError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        if self.lr_warmup_steps is not None and self.lr_warmup_steps < 0:
+            raise AssayError("--lr_warmup_steps must be >= 0")
+        if not 0 <= self.decay_fraction <= 1 or not 0 <= self.l1_warmup_fraction <= 1:
             raise AssayError("--lr_decay_fraction and --l1_warmup_fraction must lie in [0, 1]")
         if self.autocast_lm and self.runtime.precision == "fp32":
             raise AssayError("--autocast_lm needs --precision bf16")
@@ -161,6 +172,27 @@ class SaeTrainConfig:
     @property
     def total_steps(self) -> int:
         return self.training_tokens // self.batch_tokens
+
+    @property
+    def optimizer_name(self) -> str:
+        """adam or signum (--optimizer auto resolved by architecture)."""
+        if self.optimizer != "auto":
+            return self.optimizer
+        return "signum" if self.sae.architecture in ("topk", "batchtopk") else "adam"
+
+    @property
+    def warmup_steps(self) -> int:
+        """--lr_warmup_steps, or the optimizer's default."""
+        if self.lr_warmup_steps is not None:
+            return self.lr_warmup_steps
+        return 0 if self.optimizer_name == "signum" else 50
+
+    @property
+    def decay_fraction(self) -> float:
+        """--lr_decay_fraction, or the optimizer's default."""
+        if self.lr_decay_fraction is not None:
+            return self.lr_decay_fraction
+        return 0.0 if self.optimizer_name == "signum" else 0.2
 
 
 def check_sae_precision(name: str) -> None:

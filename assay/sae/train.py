@@ -9,42 +9,35 @@ counters and metrics are updated with autocast off, in fp32. fp16 is refused by 
 from __future__ import annotations
 
 import math
-import os
 import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
 
 from assay.core.console import note, say
 from assay.core.distributed import Distributed
 from assay.core.errors import AssayError
 from assay.core.precision import PrecisionPolicy, full_precision
 from assay.core.progress import Progress
-from assay.core.runs import config_to_dict, read_json, run_folder, write_json
+from assay.core.runs import config_to_dict, run_folder, write_json
 from assay.sae.activations import ShuffledBatches
+from assay.sae.checkpoint import CHECKPOINT, TrainState, load_checkpoint, save_checkpoint
 from assay.sae.config import SaeTrainConfig
 from assay.sae.metrics import DeadLatents, MetricsLog, fvu, start_wandb
 from assay.sae.model import SparseAutoencoder, TrainOutput
+from assay.sae.optim import ScheduleFreeSignSGD, averaged
 from assay.sae.saelens_format import save_sae
 
-CHECKPOINT = "checkpoint"
 UNIT_LR_C = 3.2e-3  # default_learning_rate's constant for unit-norm decoders (docs/BENCHMARKS.md)
+SIGNUM_LR_C = 5e-3  # signum's constant (sparsify's; docs/BENCHMARKS.md)
+SIGNUM_MOMENTUM = 0.95  # schedule-free interpolation beta (sparsify's)
+RENORM = "y"
 
 
-@dataclass
-class TrainState:
-    """Counters that a checkpoint restores along with the weights."""
-
-    step: int = 0
-    tokens: int = 0
-
-
-def default_learning_rate(d_sae: int, unit_decoder: bool = False) -> float:
+def default_learning_rate(d_sae: int, unit_decoder: bool = False, optimizer: str = "adam") -> float:
     """C / sqrt(d_sae / 2^14): Gao et al.'s width scaling (sparsify's Adam: C = 2e-4).
 
     Small start, C = 8e-4: rows of norm 0.1 must grow; on SmolLM2 activations (576 x 2304, 60
@@ -54,6 +47,8 @@ def default_learning_rate(d_sae: int, unit_decoder: bool = False) -> float:
     0.031 / 0.027 with 2% / 2% / 15% / 56% of latents dead at C = 8e-4 x 1 / 2 / 4 / 8: x 4 is
     the best FVU short of losing half the latents (docs/BENCHMARKS.md).
     """
+    if optimizer == "signum":
+        return SIGNUM_LR_C / math.sqrt(d_sae / 2**14)
     return (UNIT_LR_C if unit_decoder else 8e-4) / math.sqrt(d_sae / 2**14)
 
 
@@ -74,9 +69,31 @@ def sparsity_coef_at(step: int, total: int, cfg: SaeTrainConfig) -> float:
     return base * min(1.0, (step + 1) / warm) if warm > 0 else base
 
 
-def make_optimizer(sae: SparseAutoencoder, lr: float) -> torch.optim.Adam:
-    """Adam on the fp32 parameters (its state is fp32 too)."""
+def make_optimizer(sae: SparseAutoencoder, lr: float, kind: str = "adam") -> torch.optim.Optimizer:
+    """Adam or schedule-free sign-SGD ("signum") on the fp32 parameters (state fp32 too)."""
+    if kind == "signum":
+        return ScheduleFreeSignSGD(sae.parameters(), lr=lr, momentum=SIGNUM_MOMENTUM)
     return torch.optim.Adam(sae.parameters(), lr=lr, betas=(0.9, 0.999))
+
+
+@torch.no_grad()
+def normalise_decoder(sae: SparseAutoencoder, opt: torch.optim.Optimizer, where: str | None = None) -> None:
+    """Unit decoder: rows back to norm 1 after a step (fp32). Schedule-free: see RENORM."""
+    w = sae.W_dec
+    if not sae.arch.unit_decoder:
+        return
+    if not isinstance(opt, ScheduleFreeSignSGD) or "z" not in opt.state.get(w, {}):
+        sae.normalise_decoder_()
+        return
+    where = where or RENORM
+    state = opt.state[w]
+    if where == "y":
+        opt.shift_y_(w, w / w.norm(dim=1, keepdim=True).clamp_min(1e-12))
+        return
+    for key in ("z", "x") if where == "zx" else ("z",):
+        state[key].div_(state[key].norm(dim=1, keepdim=True).clamp_min(1e-12))
+    beta = opt.param_groups[0]["momentum"]
+    w.copy_(state["x"]).lerp_(state["z"], 1 - beta)
 
 
 def train_step(
@@ -113,7 +130,7 @@ def train_step(
     opt.step()
     opt.zero_grad(set_to_none=True)
     with full_precision(x.device):
-        sae.normalise_decoder_()
+        normalise_decoder(sae, opt)
         dist.all_reduce_(out.counts)  # global firing counts: every rank keeps the same dead mask
         sae.update_threshold(_global_min(dist, out.min_kept), first)
         dead.update(out.counts, len(x) * dist.world_size)
@@ -158,44 +175,6 @@ def step_record(out: TrainOutput, x: torch.Tensor, state: TrainState, dead: Dead
         }
 
 
-# ---- checkpoints -------------------------------------------------------------------
-def save_checkpoint(
-    run_dir: Path, sae: SparseAutoencoder, opt: torch.optim.Optimizer, dead: DeadLatents, state: TrainState
-) -> None:
-    """Weights, Adam state and counters as safetensors + JSON, replaced atomically."""
-    tmp, final = run_dir / (CHECKPOINT + ".part"), run_dir / CHECKPOINT
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    save_file({k: v.detach().contiguous() for k, v in sae.state_dict().items()}, str(tmp / "sae.safetensors"))
-    adam: dict[str, torch.Tensor] = {}
-    for i, p in enumerate(sae.parameters()):
-        for key, value in opt.state.get(p, {}).items():
-            adam[f"{i}.{key}"] = torch.as_tensor(value).detach().clone().contiguous()
-    save_file(adam, str(tmp / "optimizer.safetensors"))
-    save_file({"since": dead.since.contiguous()}, str(tmp / "counters.safetensors"))
-    write_json(tmp / "state.json", {"step": state.step, "tokens": state.tokens})
-    old = run_dir / (CHECKPOINT + ".old")
-    if final.exists():
-        os.replace(final, old)
-    os.replace(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def load_checkpoint(
-    run_dir: Path, sae: SparseAutoencoder, opt: torch.optim.Optimizer, dead: DeadLatents
-) -> TrainState:
-    folder = run_dir / CHECKPOINT
-    sae.load_state_dict(load_file(str(folder / "sae.safetensors")))
-    adam = load_file(str(folder / "optimizer.safetensors"))
-    for i, p in enumerate(sae.parameters()):
-        entries = {k.split(".", 1)[1]: v for k, v in adam.items() if k.split(".", 1)[0] == str(i)}
-        if entries:
-            opt.state[p] = entries
-    dead.since.copy_(load_file(str(folder / "counters.safetensors"))["since"])
-    saved = read_json(folder / "state.json")
-    return TrainState(step=int(saved["step"]), tokens=int(saved["tokens"]))
-
-
 # ---- the loop ------------------------------------------------------------------------
 def init_from_data(sae: SparseAutoencoder, sample: torch.Tensor, fit_rows: int = 4096) -> None:
     """Scale so the mean activation norm is sqrt(d_in); b_dec at the (scaled) data mean; with a
@@ -219,8 +198,9 @@ def fit(
 ) -> dict[str, Any]:
     """Train to cfg.total_steps (resuming from run_dir/checkpoint when present)."""
     total = cfg.total_steps
-    base_lr = cfg.learning_rate or default_learning_rate(sae.d_sae, sae.arch.unit_decoder)
-    opt = make_optimizer(sae, base_lr)
+    kind = cfg.optimizer_name
+    base_lr = cfg.learning_rate or default_learning_rate(sae.d_sae, sae.arch.unit_decoder, kind)
+    opt = make_optimizer(sae, base_lr, kind)
     dead = DeadLatents(sae.d_sae, cfg.dead_window_tokens)
     log = MetricsLog(run_dir / "metrics.jsonl", wandb_run)
     if (run_dir / CHECKPOINT / "state.json").exists():
@@ -241,7 +221,7 @@ def fit(
             if state.step >= total:
                 break
             x = (x_raw.to(policy.device) * sae.act_scale).contiguous()
-            lr = lr_at(state.step, total, base_lr, cfg.lr_warmup_steps, cfg.lr_decay_fraction)
+            lr = lr_at(state.step, total, base_lr, cfg.warmup_steps, cfg.decay_fraction)
             coef = sparsity_coef_at(state.step, total, cfg)
             out = train_step(sae, opt, x, dead, policy, lr, coef, cfg.grad_clip, state.step == 0)
             state.step, state.tokens = state.step + 1, state.tokens + len(x) * dist.world_size
@@ -260,12 +240,15 @@ def fit(
                 and state.step % cfg.eval_every == 0
                 and state.step < total
             ):
-                log.log({"step": state.step, "tokens": state.tokens, **_prefixed(evaluate(sae))})
+                with averaged(opt):  # signum: evaluated at the averaged point
+                    log.log({"step": state.step, "tokens": state.tokens, **_prefixed(evaluate(sae))})
             if cfg.checkpoint_every > 0 and state.step % cfg.checkpoint_every == 0 and state.step < total:
                 dist.barrier()  # no rank runs ahead of a checkpoint it could be resumed from
                 if dist.is_main:
                     save_checkpoint(run_dir, sae, opt, dead, state)
             bar.update(1, len(x), fvu=f"{last['fvu']:.3f}" if last else "-")
+    if isinstance(opt, ScheduleFreeSignSGD):
+        opt.eval()  # the trained SAE is the averaged point x: evaluated and saved from here on
     final = _prefixed(evaluate(sae)) if evaluate is not None else {}
     if final:
         log.log({"step": state.step, "tokens": state.tokens, **final})

@@ -1,0 +1,74 @@
+"""Checkpoints of `assay sae train`: weights, optimizer state and counters (safetensors + JSON).
+
+Adam: its per-parameter state (step, exp_avg, exp_avg_sq). Signum: the parameters hold y and
+the state holds z and x; the averaging counters (lr_max, weight_sum, k) go to state.json.
+A resumed run continues bit for bit (tests/test_sae_train.py).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from assay.core.runs import read_json, write_json
+from assay.sae.metrics import DeadLatents
+from assay.sae.model import SparseAutoencoder
+from assay.sae.optim import ScheduleFreeSignSGD
+
+CHECKPOINT = "checkpoint"
+
+
+@dataclass
+class TrainState:
+    """Counters that a checkpoint restores along with the weights."""
+
+    step: int = 0
+    tokens: int = 0
+
+
+def save_checkpoint(
+    run_dir: Path, sae: SparseAutoencoder, opt: torch.optim.Optimizer, dead: DeadLatents, state: TrainState
+) -> None:
+    """Weights (signum: y), optimizer state and counters as safetensors + JSON, replaced atomically."""
+    tmp, final = run_dir / (CHECKPOINT + ".part"), run_dir / CHECKPOINT
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    save_file({k: v.detach().contiguous() for k, v in sae.state_dict().items()}, str(tmp / "sae.safetensors"))
+    tensors: dict[str, torch.Tensor] = {}
+    for i, p in enumerate(sae.parameters()):
+        for key, value in opt.state.get(p, {}).items():
+            tensors[f"{i}.{key}"] = torch.as_tensor(value).detach().clone().contiguous()
+    save_file(tensors, str(tmp / "optimizer.safetensors"))
+    save_file({"since": dead.since.contiguous()}, str(tmp / "counters.safetensors"))
+    saved: dict[str, Any] = {"step": state.step, "tokens": state.tokens}
+    if isinstance(opt, ScheduleFreeSignSGD):
+        saved["optimizer_groups"] = opt.scalars()  # averaging weights (exact: JSON floats round-trip)
+    write_json(tmp / "state.json", saved)
+    old = run_dir / (CHECKPOINT + ".old")
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def load_checkpoint(
+    run_dir: Path, sae: SparseAutoencoder, opt: torch.optim.Optimizer, dead: DeadLatents
+) -> TrainState:
+    folder = run_dir / CHECKPOINT
+    sae.load_state_dict(load_file(str(folder / "sae.safetensors")))
+    tensors = load_file(str(folder / "optimizer.safetensors"))
+    for i, p in enumerate(sae.parameters()):
+        entries = {k.split(".", 1)[1]: v for k, v in tensors.items() if k.split(".", 1)[0] == str(i)}
+        if entries:
+            opt.state[p] = entries
+    dead.since.copy_(load_file(str(folder / "counters.safetensors"))["since"])
+    saved = read_json(folder / "state.json")
+    if isinstance(opt, ScheduleFreeSignSGD):
+        opt.load_scalars(saved["optimizer_groups"])
+    return TrainState(step=int(saved["step"]), tokens=int(saved["tokens"]))

@@ -1,0 +1,138 @@
+"""Schedule-free sign-SGD ("signum"): the recurrence against a direct fp64 computation, the
+x/y/z relations, the decoder constraint, and the --optimizer option."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from assay.core.errors import AssayError
+from assay.sae.config import SaeArchConfig, SaeTrainConfig
+from assay.sae.optim import ScheduleFreeSignSGD, averaged
+from assay.sae.train import default_learning_rate, make_optimizer, normalise_decoder
+
+BETA = 0.95
+
+
+def _grad(w: np.ndarray, a: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """Gradient of sum(a * w + (w - t)^3 / 3): a + (w - t)^2."""
+    return a + (w - t) ** 2
+
+
+def _reference(w0: np.ndarray, a: np.ndarray, targets: list, lrs: list) -> tuple[list, np.ndarray]:
+    """Schedule-free sign-SGD written out in fp64: y_t (each step) and the final x as an explicit
+    weighted average of the z's (weights lr_max_s^2), not as a running interpolation."""
+    z, zs, weights, ys = w0.copy(), [], [], []
+    y, lr_max = w0.copy(), 0.0
+    for t, lr in zip(targets, lrs):
+        g = _grad(y, a, t)
+        assert np.abs(g).min() > 1e-3  # signs well away from 0: fp32 and fp64 agree on them
+        z = z - lr * np.sign(g)
+        lr_max = max(lr_max, lr)
+        zs.append(z)
+        weights.append(lr_max**2)
+        x = sum(w * zz for w, zz in zip(weights, zs)) / sum(weights)
+        y = BETA * x + (1 - BETA) * z
+        ys.append(y)
+    return ys, x
+
+
+def test_signum_follows_the_schedule_free_recurrence_computed_directly() -> None:
+    rng = np.random.default_rng(0)
+    w0, a = rng.normal(size=(6, 5)), rng.choice([-1.0, 1.0], size=(6, 5)) * rng.uniform(0.5, 1, (6, 5))
+    targets = [rng.normal(size=(6, 5)) for _ in range(6)]
+    lrs = [0.02, 0.05, 0.1, 0.1, 0.03, 0.08]  # a warm-up, then a dip: lr_max differs from lr
+    ys, x = _reference(w0, a, targets, lrs)
+    p = torch.nn.Parameter(torch.tensor(w0, dtype=torch.float32))
+    opt = ScheduleFreeSignSGD([p], lr=lrs[0], momentum=BETA)
+    a_t = torch.tensor(a, dtype=torch.float32)
+    for t, lr, y_ref in zip(targets, lrs, ys):
+        opt.param_groups[0]["lr"] = lr
+        tt = torch.tensor(t, dtype=torch.float32)
+        ((a_t * p).sum() + ((p - tt) ** 3).sum() / 3).backward()
+        opt.step()
+        opt.zero_grad()
+        np.testing.assert_allclose(p.detach().numpy(), y_ref, rtol=0, atol=1e-6)
+    with averaged(opt):
+        np.testing.assert_allclose(p.detach().numpy(), x, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(p.detach().numpy(), ys[-1], rtol=0, atol=1e-6)  # back at y
+
+
+def _stepped(n_steps: int = 4) -> tuple[torch.nn.Parameter, ScheduleFreeSignSGD]:
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(8, 3))
+    opt = ScheduleFreeSignSGD([p], lr=0.1, momentum=BETA)
+    for _ in range(n_steps):
+        (p * torch.randn(8, 3)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return p, opt
+
+
+def test_y_is_the_interpolation_of_x_and_z_and_eval_train_round_trip_exactly() -> None:
+    p, opt = _stepped()
+    z, x = opt.state[p]["z"], opt.state[p]["x"]
+    assert not torch.equal(x, z)  # the average lags the base iterate
+    torch.testing.assert_close(p.detach(), BETA * x + (1 - BETA) * z, rtol=0, atol=1e-6)
+    y = p.detach().clone()
+    opt.eval()
+    assert torch.equal(p.detach(), x)
+    with pytest.raises(RuntimeError, match="eval mode"):
+        opt.step()
+    opt.train()
+    assert torch.equal(p.detach(), y)  # bit for bit
+    # shift_y_ (decoder renormalisation) keeps y = beta x + (1 - beta) z
+    opt.shift_y_(p, p.detach() * 0.5)
+    torch.testing.assert_close(p.detach(), BETA * x + (1 - BETA) * z, rtol=0, atol=1e-6)
+
+
+def test_first_step_from_x_equal_y_equal_z() -> None:
+    """At step 1 the averaging weight is 1: x becomes z, and y = z as well."""
+    p, opt = _stepped(1)
+    assert torch.equal(opt.state[p]["x"], opt.state[p]["z"])
+    assert torch.equal(p.detach(), opt.state[p]["z"])
+
+
+def test_unit_decoder_rows_stay_unit_at_the_point_gradients_are_taken() -> None:
+    from assay.sae.model import SparseAutoencoder
+
+    torch.manual_seed(0)
+    sae = SparseAutoencoder(16, 64, SaeArchConfig(architecture="topk", k=4))
+    opt = make_optimizer(sae, 0.05, "signum")
+    assert isinstance(opt, ScheduleFreeSignSGD)
+    for _ in range(3):
+        out = sae.train_forward(torch.randn(32, 16), None, 0.0)
+        out.loss.backward()
+        sae.project_decoder_grad_()
+        opt.step()
+        opt.zero_grad()
+        normalise_decoder(sae, opt)
+        torch.testing.assert_close(sae.W_dec.norm(dim=1), torch.ones(64))
+        state = opt.state[sae.W_dec]
+        torch.testing.assert_close(sae.W_dec.detach(), BETA * state["x"] + (1 - BETA) * state["z"])
+
+
+def test_optimizer_option_resolves_and_round_trips_through_json() -> None:
+    from assay.core.runs import config_from_dict, config_to_dict
+
+    cfg = SaeTrainConfig(out="o")
+    assert (cfg.optimizer_name, cfg.warmup_steps, cfg.decay_fraction) == ("signum", 0, 0.0)  # topk
+    relu = SaeTrainConfig(out="o", sae=SaeArchConfig(architecture="relu"))
+    assert (relu.optimizer_name, relu.warmup_steps, relu.decay_fraction) == ("adam", 50, 0.2)
+    explicit = SaeTrainConfig(out="o", optimizer="adam", lr_warmup_steps=3)
+    assert (explicit.optimizer_name, explicit.warmup_steps, explicit.decay_fraction) == ("adam", 3, 0.2)
+    back = config_from_dict(SaeTrainConfig, config_to_dict(explicit))
+    assert back == explicit
+    assert default_learning_rate(2**14, True, "signum") == pytest.approx(5e-3)
+    assert default_learning_rate(2**16, True, "signum") == pytest.approx(2.5e-3)
+
+
+def test_unknown_optimizer_is_a_one_line_error(capsys) -> None:  # type: ignore[no-untyped-def]
+    from assay.cli import main
+
+    with pytest.raises(AssayError, match="--optimizer must be one of auto, adam, signum"):
+        SaeTrainConfig(out="o", optimizer="sgd")
+    assert main(["sae", "train", "o", "--optimizer", "sgd"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--optimizer must be one of" in err
