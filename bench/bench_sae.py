@@ -100,8 +100,7 @@ def run_ours(
     if not args.no_fit:  # --no_fit: the ablation of the unit start's fitted encoder scale
         sae.fit_encoder_scale(data[0])  # as assay's init_from_data does (unit decoder start)
     lr = args.lr or default_learning_rate(d_sae, sae.arch.unit_decoder, args.optimizer)
-    train_mod.SIGNUM_MOMENTUM = args.momentum
-    opt = make_optimizer(sae, lr, args.optimizer)
+    opt = make_optimizer(sae, lr, args.optimizer, args.momentum, args.r)
     train_mod.RENORM = args.renorm
     # signum: schedule-free, so no decay; warm-up only with --signum_warmup
     signum = (args.signum_warmup, args.signum_decay)
@@ -126,7 +125,7 @@ def run_ours(
         "lr": lr,
         "arch": args.architecture,
         "optimizer": args.optimizer + (f"-{args.renorm}" if args.optimizer == "signum" else ""),
-        "schedule": [warmup, decay] + ([args.momentum] if args.optimizer == "signum" else []),
+        "schedule": [warmup, decay] + ([args.momentum, args.r] if args.optimizer == "signum" else []),
         "aux_coefficient": arch.aux_coefficient,
     }
 
@@ -139,8 +138,7 @@ def table(files: list[Path]) -> None:
             r = json.loads(line)
             lr = f"{r['lr']:.2g}" if "lr" in r else "-"  # assay rows; the peers' Adam runs share it
             lib = r["library"] + (f" {r['optimizer']}" if "optimizer" in r else "")
-            key = (r["d_in"], r["d_sae"], lib, r.get("init", "-"), lr, r.get("kernel", "-"))
-            key += (r["precision"],)
+            key = (r["d_in"], r["d_sae"], lib, r.get("init", "-"), lr, r.get("kernel", "-"), r["precision"])
             groups.setdefault(key, []).append(r)
     print("| d_in x d_sae | library | init | lr | kernel | precision | tokens/s | FVU | L0 | dead | runs |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -185,11 +183,12 @@ def main() -> None:
     p.add_argument("--decay", type=float, default=0.2)
     p.add_argument("--optimizer", default="adam", choices=["adam", "signum"])
     p.add_argument(
-        "--renorm", default="y", choices=["y", "z", "zx"], help="signum: decoder rows renormalised"
+        "--renorm", default="zx", choices=["y", "z", "zx"], help="signum: decoder rows renormalised"
     )
     p.add_argument("--signum_warmup", type=int, default=0)
     p.add_argument("--signum_decay", type=float, default=0.0)
-    p.add_argument("--momentum", type=float, default=0.95, help="signum: schedule-free beta")
+    p.add_argument("--r", type=float, default=1.0, help="signum: polynomial averaging weight k^r")
+    p.add_argument("--momentum", type=float, default=0.98, help="signum: schedule-free beta")
     p.add_argument("--aux", type=float, default=1 / 32, help="AuxK coefficient")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--out", type=Path, default=None)

@@ -20,32 +20,35 @@ def _grad(w: np.ndarray, a: np.ndarray, t: np.ndarray) -> np.ndarray:
     return a + (w - t) ** 2
 
 
-def _reference(w0: np.ndarray, a: np.ndarray, targets: list, lrs: list) -> tuple[list, np.ndarray]:
+def _reference(
+    w0: np.ndarray, a: np.ndarray, targets: list, lrs: list, beta: float, r: float
+) -> tuple[list, np.ndarray]:
     """Schedule-free sign-SGD written out in fp64: y_t (each step) and the final x as an explicit
-    weighted average of the z's (weights lr_max_s^2), not as a running interpolation."""
+    weighted average of the z's (weights s^r lr_max_s^2), not as a running interpolation."""
     z, zs, weights, ys = w0.copy(), [], [], []
     y, lr_max = w0.copy(), 0.0
-    for t, lr in zip(targets, lrs):
+    for step, (t, lr) in enumerate(zip(targets, lrs), start=1):
         g = _grad(y, a, t)
         assert np.abs(g).min() > 1e-3  # signs well away from 0: fp32 and fp64 agree on them
         z = z - lr * np.sign(g)
         lr_max = max(lr_max, lr)
         zs.append(z)
-        weights.append(lr_max**2)
+        weights.append(step**r * lr_max**2)
         x = sum(w * zz for w, zz in zip(weights, zs)) / sum(weights)
-        y = BETA * x + (1 - BETA) * z
+        y = beta * x + (1 - beta) * z
         ys.append(y)
     return ys, x
 
 
-def test_signum_follows_the_schedule_free_recurrence_computed_directly() -> None:
+@pytest.mark.parametrize(("beta", "r"), [(0.95, 0.0), (0.98, 1.0)])  # sparsify's; assay's default
+def test_signum_follows_the_schedule_free_recurrence_computed_directly(beta: float, r: float) -> None:
     rng = np.random.default_rng(0)
     w0, a = rng.normal(size=(6, 5)), rng.choice([-1.0, 1.0], size=(6, 5)) * rng.uniform(0.5, 1, (6, 5))
     targets = [rng.normal(size=(6, 5)) for _ in range(6)]
     lrs = [0.02, 0.05, 0.1, 0.1, 0.03, 0.08]  # a warm-up, then a dip: lr_max differs from lr
-    ys, x = _reference(w0, a, targets, lrs)
+    ys, x = _reference(w0, a, targets, lrs, beta, r)
     p = torch.nn.Parameter(torch.tensor(w0, dtype=torch.float32))
-    opt = ScheduleFreeSignSGD([p], lr=lrs[0], momentum=BETA)
+    opt = ScheduleFreeSignSGD([p], lr=lrs[0], momentum=beta, r=r)
     a_t = torch.tensor(a, dtype=torch.float32)
     for t, lr, y_ref in zip(targets, lrs, ys):
         opt.param_groups[0]["lr"] = lr
@@ -94,12 +97,13 @@ def test_first_step_from_x_equal_y_equal_z() -> None:
     assert torch.equal(p.detach(), opt.state[p]["z"])
 
 
-def test_unit_decoder_rows_stay_unit_at_the_point_gradients_are_taken() -> None:
+def test_unit_decoder_rows_stay_unit_at_the_base_and_averaged_points() -> None:
+    """normalise_decoder puts z's and x's rows back on the sphere; y (between them) follows."""
     from assay.sae.model import SparseAutoencoder
 
     torch.manual_seed(0)
     sae = SparseAutoencoder(16, 64, SaeArchConfig(architecture="topk", k=4))
-    opt = make_optimizer(sae, 0.05, "signum")
+    opt = make_optimizer(sae, 0.05, "signum", momentum=BETA)
     assert isinstance(opt, ScheduleFreeSignSGD)
     for _ in range(3):
         out = sae.train_forward(torch.randn(32, 16), None, 0.0)
@@ -108,9 +112,13 @@ def test_unit_decoder_rows_stay_unit_at_the_point_gradients_are_taken() -> None:
         opt.step()
         opt.zero_grad()
         normalise_decoder(sae, opt)
-        torch.testing.assert_close(sae.W_dec.norm(dim=1), torch.ones(64))
         state = opt.state[sae.W_dec]
+        for point in (state["z"], state["x"]):
+            torch.testing.assert_close(point.norm(dim=1), torch.ones(64))
         torch.testing.assert_close(sae.W_dec.detach(), BETA * state["x"] + (1 - BETA) * state["z"])
+        assert float(sae.W_dec.detach().norm(dim=1).max()) <= 1 + 1e-6  # y: a chord between two unit rows
+    with averaged(opt):
+        torch.testing.assert_close(sae.W_dec.detach().norm(dim=1), torch.ones(64))  # the saved SAE
 
 
 def test_optimizer_option_resolves_and_round_trips_through_json() -> None:

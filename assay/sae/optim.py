@@ -24,10 +24,10 @@ import torch
 class ScheduleFreeSignSGD(torch.optim.Optimizer):
     """Schedule-free sign-SGD; parameters hold y while training (see the module docstring)."""
 
-    def __init__(self, params: Iterable[torch.Tensor], lr: float, momentum: float = 0.95):
-        if lr <= 0 or not 0 < momentum <= 1:
-            raise ValueError(f"need lr > 0 and 0 < momentum <= 1, got {lr}, {momentum}")
-        super().__init__(params, {"lr": lr, "momentum": momentum})
+    def __init__(self, params: Iterable[torch.Tensor], lr: float, momentum: float = 0.95, r: float = 0.0):
+        if lr <= 0 or not 0 < momentum <= 1 or r < 0:
+            raise ValueError(f"need lr > 0, 0 < momentum <= 1, r >= 0; got {lr}, {momentum}, {r}")
+        super().__init__(params, {"lr": lr, "momentum": momentum, "r": r})
         self.train_mode = True
 
     def _point(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -47,10 +47,10 @@ class ScheduleFreeSignSGD(torch.optim.Optimizer):
         for group in self.param_groups:
             lr, beta = group["lr"], group["momentum"]
             group["lr_max"] = max(lr, group.get("lr_max", 0.0))
-            weight = group["lr_max"] ** 2
+            group["k"] = group.get("k", 0) + 1
+            weight = group["k"] ** group["r"] * group["lr_max"] ** 2  # r > 0: recent steps weigh more
             group["weight_sum"] = group.get("weight_sum", 0.0) + weight
             c = weight / group["weight_sum"]
-            group["k"] = group.get("k", 0) + 1
             for p in group["params"]:
                 if p.grad is None:
                     continue

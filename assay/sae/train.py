@@ -33,8 +33,7 @@ from assay.sae.saelens_format import save_sae
 
 UNIT_LR_C = 3.2e-3  # default_learning_rate's constant for unit-norm decoders (docs/BENCHMARKS.md)
 SIGNUM_LR_C = 5e-3  # signum's constant (sparsify's; docs/BENCHMARKS.md)
-SIGNUM_MOMENTUM = 0.95  # schedule-free interpolation beta (sparsify's)
-RENORM = "y"
+RENORM = "zx"  # signum: which points normalise_decoder puts back on the unit sphere (measured)
 
 
 def default_learning_rate(d_sae: int, unit_decoder: bool = False, optimizer: str = "adam") -> float:
@@ -69,10 +68,12 @@ def sparsity_coef_at(step: int, total: int, cfg: SaeTrainConfig) -> float:
     return base * min(1.0, (step + 1) / warm) if warm > 0 else base
 
 
-def make_optimizer(sae: SparseAutoencoder, lr: float, kind: str = "adam") -> torch.optim.Optimizer:
+def make_optimizer(
+    sae: SparseAutoencoder, lr: float, kind: str = "adam", momentum: float = 0.98, average_power: float = 1.0
+) -> torch.optim.Optimizer:
     """Adam or schedule-free sign-SGD ("signum") on the fp32 parameters (state fp32 too)."""
     if kind == "signum":
-        return ScheduleFreeSignSGD(sae.parameters(), lr=lr, momentum=SIGNUM_MOMENTUM)
+        return ScheduleFreeSignSGD(sae.parameters(), lr=lr, momentum=momentum, r=average_power)
     return torch.optim.Adam(sae.parameters(), lr=lr, betas=(0.9, 0.999))
 
 
@@ -200,7 +201,7 @@ def fit(
     total = cfg.total_steps
     kind = cfg.optimizer_name
     base_lr = cfg.learning_rate or default_learning_rate(sae.d_sae, sae.arch.unit_decoder, kind)
-    opt = make_optimizer(sae, base_lr, kind)
+    opt = make_optimizer(sae, base_lr, kind, cfg.signum_momentum, cfg.signum_average_power)
     dead = DeadLatents(sae.d_sae, cfg.dead_window_tokens)
     log = MetricsLog(run_dir / "metrics.jsonl", wandb_run)
     if (run_dir / CHECKPOINT / "state.json").exists():
