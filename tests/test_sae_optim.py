@@ -128,6 +128,8 @@ def test_optimizer_option_resolves_and_round_trips_through_json() -> None:
     assert (cfg.optimizer_name, cfg.warmup_steps, cfg.decay_fraction) == ("signum", 0, 0.0)  # topk
     relu = SaeTrainConfig(out="o", sae=SaeArchConfig(architecture="relu"))
     assert (relu.optimizer_name, relu.warmup_steps, relu.decay_fraction) == ("adam", 50, 0.2)
+    small = SaeTrainConfig(out="o", sae=SaeArchConfig(decoder_init="small"))  # topk, free row norms
+    assert small.optimizer_name == "adam"
     explicit = SaeTrainConfig(out="o", optimizer="adam", lr_warmup_steps=3)
     assert (explicit.optimizer_name, explicit.warmup_steps, explicit.decay_fraction) == ("adam", 3, 0.2)
     back = config_from_dict(SaeTrainConfig, config_to_dict(explicit))

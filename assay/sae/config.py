@@ -112,8 +112,8 @@ class SaeTrainConfig:
     optimizer: str = "auto"
     """auto, adam or signum. signum: schedule-free sign-SGD (Defazio et al.'s averaging around
     sign updates; sparsify's default); the SAE is evaluated and saved at the averaged point.
-    auto: signum for topk/batchtopk, adam for relu/jumprelu (chosen by measurement;
-    docs/BENCHMARKS.md)."""
+    auto: signum with the unit decoder start (topk/batchtopk by default; fixed-size sign steps
+    suit rows of fixed norm), adam otherwise (chosen by measurement; docs/BENCHMARKS.md)."""
     signum_momentum: float = 0.98
     """signum: the interpolation beta of y = beta x + (1 - beta) z (sparsify: 0.95; 0.98 measured
     better in short and long runs, docs/BENCHMARKS.md)."""
@@ -186,7 +186,7 @@ class SaeTrainConfig:
         """adam or signum (--optimizer auto resolved by architecture)."""
         if self.optimizer != "auto":
             return self.optimizer
-        return "signum" if self.sae.architecture in ("topk", "batchtopk") else "adam"
+        return "signum" if self.sae.unit_decoder else "adam"
 
     @property
     def warmup_steps(self) -> int:

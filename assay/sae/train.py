@@ -464,7 +464,6 @@ def demo_sae(
         runtime=RuntimeConfig(precision="bf16" if resolved.startswith("bf16") else "fp32"),
         training_tokens=training_tokens,
         batch_tokens=1024,
-        lr_warmup_steps=5,
         eval_contexts=8,
         overwrite=overwrite,
     )
