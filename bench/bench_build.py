@@ -35,6 +35,7 @@ from assay.attribution.collector import linear_modules
 from assay.attribution.projection import Projector
 from assay.core.config import DataConfig, ModelConfig
 from assay.core.data import collate, load_examples, token_batches
+from assay.core.lean import keep_compute_casts
 from assay.core.lm import example_losses
 from assay.core.memory import return_freed_memory
 from assay.core.models import load_model, load_tokenizer, resolve_model_path
@@ -89,8 +90,11 @@ def loop_benchmark(model_name: str, data: Path, precision: str, tbs: int, repeat
     positions_list = token_batches(examples, tbs)
     batches = [collate(examples, pos, tokenizer.pad_token_id) for pos in positions_list]
     tokens = int(sum(int(b["attention_mask"].sum()) for b in batches))
+    # the collector's own copy, as `assay build` has it: frozen weights kept as their autocast casts
+    collected = load_model(ModelConfig(model=model_name), policy)
+    keep_compute_casts(collected, policy)
     setup = GradientSetup(
-        model, tokenizer, policy, linear_modules(model), Projector(p), None, tokenizer.pad_token_id
+        collected, tokenizer, policy, linear_modules(collected), Projector(p), None, tokenizer.pad_token_id
     )
     floor_pass(model, batches, policy)  # warm-up: every shape once, both paths
     rows = collect_pass(setup, examples, positions_list)

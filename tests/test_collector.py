@@ -16,14 +16,14 @@ from assay.core.precision import PrecisionPolicy
 FP32 = PrecisionPolicy.resolve("fp32", "cpu")
 
 
-def tiny_llama(seed: int = 0) -> nn.Module:
+def tiny_llama(seed: int = 0, intermediate_size: int = 64) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(
         vocab_size=128,
         hidden_size=32,
-        intermediate_size=64,
+        intermediate_size=intermediate_size,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,

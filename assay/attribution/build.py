@@ -36,6 +36,7 @@ from assay.core.console import note, say
 from assay.core.data import Examples, collate, load_examples, token_batches, tokenizer_fingerprint
 from assay.core.distributed import Distributed
 from assay.core.errors import AssayError
+from assay.core.lean import keep_compute_casts
 from assay.core.lm import example_losses
 from assay.core.models import load_model, load_tokenizer, model_fingerprint, setup_runtime
 from assay.core.precision import STATS_DTYPE, PrecisionPolicy, full_precision
@@ -189,7 +190,8 @@ def run_build(cfg: BuildConfig) -> dict[str, Any]:
             model, tokenizer, policy, modules, projector, normalizer, tokenizer.pad_token_id
         )
         col = setup.collector()
-        meta = _metadata(cfg, setup, col, examples, tokenizer)
+        meta = _metadata(cfg, setup, col, examples, tokenizer)  # fingerprints the fp32 weights
+        keep_compute_casts(model, policy)  # from here on the model only collects gradients
         if dist.is_main:
             write_json(run.path / ix.META_FILE, meta)
             np.save(run.path / ix.IDS_FILE, examples.ids.astype(np.int64))

@@ -38,6 +38,7 @@ from assay.core.console import note, say
 from assay.core.data import ID_COLUMN, Examples, load_table, texts_of, tokenize, tokenizer_fingerprint
 from assay.core.distributed import Distributed
 from assay.core.errors import AssayError
+from assay.core.lean import keep_compute_casts
 from assay.core.paths import cache_dir
 from assay.core.runs import DONE_FILE, run_folder, write_json
 
@@ -347,6 +348,7 @@ def query_gradients(cfg: ScoreConfig, index: GradientIndex) -> tuple[Any, Querie
 
     setup = setup_from_index(index, cfg.device)
     check_compatible(index, setup)
+    keep_compute_casts(setup.model, setup.policy)  # from here on the model only collects gradients
     queries = load_queries(cfg, index, setup.tokenizer)
     if cfg.query_sae is not None:  # the query is an SAE latent's activation, not the loss
         from assay.latent_attribution import latent_objective, load_sae

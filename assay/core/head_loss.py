@@ -31,7 +31,7 @@ from torch import nn
 PLAIN_HEAD_MODEL_TYPES = frozenset(
     {"llama", "mistral", "qwen2", "qwen3", "gpt2", "gpt_neox", "olmo", "olmo2", "phi3", "gemma", "smollm3"}
 )
-CHUNK_ELEMENTS = 2**24  # logits per chunk: 64 MB in fp32
+CHUNK_ELEMENTS = 2**22  # logits per chunk: 16 MB in fp32 (a few dozen tokens at a 49k vocabulary)
 
 
 def fusable_head(model: nn.Module) -> nn.Linear | None:

@@ -1,0 +1,166 @@
+"""Memory a gradient-collection pass holds without needing it, given back without changing a number.
+
+Collecting per-example gradients runs forward and backward through a frozen model. Two things
+take memory there that the results never depend on:
+
+- **Master weights under autocast.** A frozen linear layer's fp32 weight is only ever read
+  through a cast to the autocast dtype, made anew at each call and kept alive for backward.
+  `keep_compute_casts` stores that cast in place of the fp32 weight: the same numbers, a quarter
+  of the weight memory at the peak, and no per-call casts. (Training needs its master weights;
+  this is for frozen models only.)
+- **Elementwise intermediates kept for backward.** A SwiGLU MLP keeps its gate, the gate's
+  activation and the up projection; an RMSNorm that upcasts keeps an fp32 copy of its input.
+  `recompute_elementwise` has those cheap elementwise steps recomputed in backward (PyTorch's
+  non-reentrant checkpoint around them only), so only their inputs are kept: the same ops on
+  the same inputs, hence the same numbers.
+- **Repeated keys and values.** With grouped-query attention, transformers copies each key and
+  value head once per query head it serves before calling SDPA (unless it can pass SDPA's own
+  `enable_gqa`, which it does on CPU only without a padding mask), and SDPA keeps the copies for
+  backward. `grouped_query_attention` has SDPA read the shared heads instead (CPU only, where
+  its flash kernel takes a mask with them): the same forward; the key/value gradients summed
+  over each group inside the kernel in fp32 rather than in the compute dtype after it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from assay.core.precision import PrecisionPolicy
+
+SWIGLU_PARTS = ("gate_proj", "up_proj", "down_proj", "act_fn")
+
+
+def _linear_weight(module: nn.Module) -> torch.Tensor | None:
+    """The weight of an `nn.Linear` or a GPT-2-style `Conv1D` (an addmm under autocast)."""
+    if isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D":
+        weight = getattr(module, "weight", None)
+        return weight if isinstance(weight, nn.Parameter) else None
+    return None
+
+
+def keep_compute_casts(model: nn.Module, policy: PrecisionPolicy) -> int:
+    """Store each frozen model's linear weights in the autocast dtype; returns how many changed.
+
+    Only for a model used for gradient collection from here on (its master weights are gone).
+    Left in fp32: the output head (its fp16 gradient path reads fp32 weights), weights shared
+    with any other module (a tied embedding is looked up in fp32), and everything outside
+    autocast policies (fp32 and bf16-pure have nothing to gain).
+    """
+    dtype = policy.autocast_dtype
+    if dtype is None:
+        return 0
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    owners: dict[int, int] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    changed = 0
+    for module in model.modules():
+        weight = _linear_weight(module)
+        if weight is None or module is head or owners[id(weight)] > 1 or weight.dtype != torch.float32:
+            continue
+        if type(weight.data).__name__ == "DTensor":  # sharded (--fsdp): FSDP owns the dtypes
+            continue
+        weight.data = weight.data.to(dtype)
+        changed += 1
+    _own_remaining(model, dtype)
+    return changed
+
+
+def _own_remaining(model: nn.Module, cast_dtype: torch.dtype) -> None:
+    """Copy the parameters left as loaded into memory of their own.
+
+    transformers loads safetensors memory-mapped: the file's pages count as the process's
+    resident memory for as long as any tensor still views the mapping, so the fp32 weights just
+    replaced would stay resident through the embedding and norms that keep viewing it.
+    """
+    for p in model.parameters():
+        if p.dtype != cast_dtype and type(p.data).__name__ != "DTensor":
+            p.data = p.data.clone()
+
+
+def _is_swiglu_mlp(module: nn.Module) -> bool:
+    return type(module).__name__.endswith("MLP") and all(hasattr(module, a) for a in SWIGLU_PARTS)
+
+
+def _is_upcasting_rmsnorm(module: nn.Module) -> bool:
+    return type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon")
+
+
+def _recomputed(fn: Callable[..., torch.Tensor], *args: torch.Tensor) -> torch.Tensor:
+    """fn(*args), with only args kept for backward (fn recomputed there) when grad is on."""
+    if not torch.is_grad_enabled() or not any(a.requires_grad for a in args):
+        return fn(*args)
+    out = checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
+    assert isinstance(out, torch.Tensor)
+    return out
+
+
+def _swiglu_forward(mlp: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`down(act(gate(x)) * up(x))`, the layers called in the model's own order (hooks see them
+    as before); the product is recomputed in backward from gate(x) and up(x)."""
+
+    def gated(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return mlp.act_fn(gate) * up
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        gate = mlp.gate_proj(x)
+        return mlp.down_proj(_recomputed(gated, gate, mlp.up_proj(x)))
+
+    return forward
+
+
+def _rmsnorm_forward(norm: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    original = type(norm).forward
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return _recomputed(lambda h: original(norm, h), x)
+
+    return forward
+
+
+@contextmanager
+def recompute_elementwise(model: nn.Module) -> Iterator[int]:
+    """Within the block, SwiGLU MLPs and upcasting RMSNorms keep only their inputs for backward.
+
+    Yields how many modules were switched; their own forwards are back on exit.
+    """
+    patched: list[nn.Module] = []
+    for module in model.modules():
+        if _is_swiglu_mlp(module):
+            module.forward = _swiglu_forward(module)  # type: ignore[method-assign]
+        elif _is_upcasting_rmsnorm(module):
+            module.forward = _rmsnorm_forward(module)  # type: ignore[method-assign]
+        else:
+            continue
+        patched.append(module)
+    try:
+        yield len(patched)
+    finally:
+        for module in patched:
+            del module.forward
+
+
+FORCE_GQA = "TRANSFORMERS_SDPA_FORCE_GQA"  # transformers' switch for SDPA's enable_gqa
+
+
+@contextmanager
+def grouped_query_attention(device: torch.device) -> Iterator[bool]:
+    """Within the block (on CPU), transformers' SDPA attention passes shared key/value heads to
+    SDPA with `enable_gqa` instead of repeated copies. Yields whether it is on."""
+    if device.type != "cpu" or FORCE_GQA in os.environ:  # CUDA's masked GQA falls back to slow math
+        yield False
+        return
+    os.environ[FORCE_GQA] = "1"
+    try:
+        yield True
+    finally:
+        os.environ.pop(FORCE_GQA, None)

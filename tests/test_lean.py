@@ -1,0 +1,130 @@
+"""The memory savings of `assay.core.lean` change no number: checked bit for bit against the plain path."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+import assay.attribution.collector as collector_module
+from assay.attribution.projection import Projector
+from assay.core import lean
+from assay.core.lean import keep_compute_casts, recompute_elementwise
+from assay.core.precision import PrecisionPolicy
+from tests.test_collector import collect_all, random_examples, tiny_gpt2, tiny_llama
+
+PRECISIONS = ("fp32", "bf16", "bf16-pure")
+
+
+def _model(make, precision: str):
+    model = make()
+    return model.to(torch.bfloat16) if precision == "bf16-pure" else model
+
+
+def _rows(model, precision: str, projection_dim: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    examples = random_examples([9, 5, 12], seed=1)
+    policy = PrecisionPolicy.resolve(precision, "cpu")
+    _, grads, losses = collect_all(model, examples, np.arange(3), Projector(projection_dim, 0), policy)
+    return grads, losses
+
+
+def _kept_bytes(model, precision: str, monkeypatch) -> int:
+    """Bytes of distinct non-parameter storages kept for backward in one collection: what autograd
+    saves plus the inputs a checkpointed step holds for its recomputation."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept: dict[int, int] = {}
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            kept[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    def spied_checkpoint(fn, *args, **kw):
+        for a in args:
+            keep(a)
+        return checkpoint(fn, *args, **kw)
+
+    monkeypatch.setattr(lean, "checkpoint", spied_checkpoint)
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        _rows(model, precision)
+    return sum(kept.values())
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_recomputed_elementwise_steps_give_identical_gradients(precision, monkeypatch):
+    model = _model(tiny_llama, precision)
+    lean = _rows(model, precision)
+    monkeypatch.setattr(collector_module, "recompute_elementwise", lambda m: contextlib.nullcontext())
+    plain = _rows(model, precision)
+    assert torch.equal(lean[0], plain[0]) and torch.equal(lean[1], plain[1])
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_recomputing_keeps_less_for_backward(precision, monkeypatch):
+    model = _model(lambda: tiny_llama(intermediate_size=256), precision)  # MLP-heavy, like real LMs
+    lean_bytes = _kept_bytes(model, precision, monkeypatch)
+    monkeypatch.setattr(collector_module, "recompute_elementwise", lambda m: contextlib.nullcontext())
+    plain_bytes = _kept_bytes(model, precision, monkeypatch)
+    # the MLP keeps 2 of its 3 [tokens, intermediate] tensors; pure bf16 norms a bf16, not fp32, input
+    assert lean_bytes < 0.9 * plain_bytes, (lean_bytes, plain_bytes)
+
+
+def test_recompute_elementwise_restores_the_forwards():
+    model = tiny_llama()
+    mlp, norm = model.model.layers[0].mlp, model.model.layers[0].input_layernorm
+    with recompute_elementwise(model) as switched:
+        assert switched == 2 * 3 + 1  # per layer an MLP and two norms, plus the final norm
+        assert "forward" in vars(mlp) and "forward" in vars(norm)
+    assert "forward" not in vars(mlp) and "forward" not in vars(norm)
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gpt2], ids=["llama", "gpt2"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_compute_casts_give_identical_gradients(make, tied):
+    model = make()
+    if tied:
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
+    before = _rows(model, "bf16")
+    changed = keep_compute_casts(model, PrecisionPolicy.resolve("bf16", "cpu"))
+    after = _rows(model, "bf16")
+    assert changed > 0
+    assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
+    assert model.get_output_embeddings().weight.dtype == torch.float32  # the head keeps fp32
+    assert model.get_input_embeddings().weight.dtype == torch.float32
+
+
+def test_compute_casts_touch_only_linear_weights_under_autocast():
+    model = tiny_llama()
+    assert keep_compute_casts(model, PrecisionPolicy.resolve("fp32", "cpu")) == 0
+    assert keep_compute_casts(model, PrecisionPolicy.resolve("bf16", "cpu")) == 2 * 7  # q k v o gate up down
+    dtypes = {n: p.dtype for n, p in model.named_parameters()}
+    assert dtypes["model.layers.0.self_attn.q_proj.weight"] == torch.bfloat16
+    assert dtypes["model.layers.0.input_layernorm.weight"] == torch.float32
+    assert dtypes["model.embed_tokens.weight"] == torch.float32
+
+
+@pytest.mark.parametrize("precision, tolerance", [("fp32", 1e-5), ("bf16", 1e-2)])
+def test_grouped_query_attention_matches_repeated_heads(precision, tolerance, monkeypatch):
+    """Only the order of the key/value gradient sums differs: fp32 agrees to rounding."""
+    model = _model(tiny_llama, precision)  # 4 query heads share 2 key/value heads
+    shared_grads, shared_losses = _rows(model, precision)
+    shared_bytes = _kept_bytes(model, precision, monkeypatch)
+    monkeypatch.setattr(collector_module, "grouped_query_attention", lambda d: contextlib.nullcontext())
+    repeated_grads, repeated_losses = _rows(model, precision)
+    assert torch.equal(shared_losses, repeated_losses)  # the forward is the same
+    assert float((shared_grads - repeated_grads).norm() / repeated_grads.norm()) < tolerance
+    assert shared_bytes < _kept_bytes(model, precision, monkeypatch)
+
+
+def test_grouped_query_attention_only_on_cpu_and_restores_the_switch():
+    assert lean.FORCE_GQA not in os.environ
+    with lean.grouped_query_attention(torch.device("cpu")) as on:
+        assert on and os.environ[lean.FORCE_GQA] == "1"
+    assert lean.FORCE_GQA not in os.environ
+    with lean.grouped_query_attention(torch.device("cuda")) as on:
+        assert not on and lean.FORCE_GQA not in os.environ
