@@ -3,11 +3,12 @@
 Three points per parameter (all fp32, same shape as the parameter):
   z  the base iterate: z <- z - lr * sign(grad)
   x  the running average of the z's (the evaluation point): x <- (1 - c) x + c z,
-     c = w / sum(w) with w = lr_max^2 (lr_max: the largest rate seen so far)
+     c = w_k / sum(w) with w_k = k^r * lr_max^2 at step k (lr_max: the largest rate so far)
   y  the point where gradients are taken: y = beta * x + (1 - beta) * z
 During training the parameters hold y; `eval()` puts x into them (for evaluation, saving and
 the final SAE) and `train()` puts y back, bit for bit. The same recurrence as
-`schedulefree.ScheduleFreeWrapper(SignSGD(params, lr), momentum=beta)` (sparsify's "signum"),
+`schedulefree.ScheduleFreeWrapper(SignSGD(params, lr), momentum=beta, r=r)` (sparsify's
+"signum": beta = 0.95, r = 0; checked against it to fp32 rounding),
 with x kept explicitly instead of being recovered from y and z (so `shift_y_` can move y, e.g.
 to renormalise decoder rows, without losing the average).
 """
@@ -50,7 +51,7 @@ class ScheduleFreeSignSGD(torch.optim.Optimizer):
             group["k"] = group.get("k", 0) + 1
             weight = group["k"] ** group["r"] * group["lr_max"] ** 2  # r > 0: recent steps weigh more
             group["weight_sum"] = group.get("weight_sum", 0.0) + weight
-            c = weight / group["weight_sum"]
+            c = weight / group["weight_sum"] if group["weight_sum"] > 0 else 0.0  # lr 0 so far
             for p in group["params"]:
                 if p.grad is None:
                     continue
