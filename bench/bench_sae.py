@@ -130,6 +130,31 @@ def run_ours(
     }
 
 
+def step_times(args: argparse.Namespace) -> None:
+    """Adam and signum steps interleaved in one process on random data (the optimizers' cost
+    side by side, robust to a shared machine's drift): median seconds per step."""
+    import os
+    import time
+
+    torch.manual_seed(0)
+    d_in, d_sae = 256, 16 * 256
+    x, policy = torch.randn(args.batch, d_in), PrecisionPolicy.resolve(args.precision[0])
+    setups = {}
+    for kind in ("adam", "signum"):
+        sae = SparseAutoencoder(d_in, d_sae, SaeArchConfig(architecture="topk", k=args.k))
+        setups[kind] = (sae, make_optimizer(sae, 1e-3, kind), DeadLatents(d_sae, 10**9))
+    times: dict[str, list[float]] = {k: [] for k in setups}
+    for i in range(args.steps):
+        for kind, (sae, opt, dead) in setups.items():
+            start = time.perf_counter()
+            train_step(sae, opt, x, dead, policy, 1e-3, 0.0, 1.0, first=i == 0)
+            times[kind].append(time.perf_counter() - start)
+    for kind, t in times.items():
+        median = float(np.median(t[2:]))  # the first steps allocate
+        print(json.dumps({"optimizer": kind, "step_s": median, "tokens_per_s": args.batch / median}))
+    print(json.dumps({"load_avg": os.getloadavg(), "threads": torch.get_num_threads()}))
+
+
 def table(files: list[Path]) -> None:
     """Markdown rows (median tokens/s over repeats) from the JSON lines of both scripts."""
     groups: dict[tuple, list[dict]] = {}
@@ -163,7 +188,7 @@ def table(files: list[Path]) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["random-model", "prepare", "run", "table"])
+    p.add_argument("mode", choices=["random-model", "prepare", "run", "table", "steps"])
     p.add_argument("files", nargs="*", type=Path, help="table: JSON-lines files written with --out")
     p.add_argument("--model", default="assay-tiny")
     p.add_argument("--hookpoint", default="model.layers.2")
@@ -195,6 +220,9 @@ def main() -> None:
     args = p.parse_args()
     if args.mode == "table":
         table(args.files)
+        return
+    if args.mode == "steps":
+        step_times(args)
         return
     if args.mode == "random-model":
         random_model(args)

@@ -114,10 +114,10 @@ class _RecordDtypes(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("arch", ["topk", "relu"])
-def test_bf16_autocast_region_matmuls_bf16_params_and_adam_fp32(arch: str) -> None:
+@pytest.mark.parametrize(("arch", "optimizer"), [("topk", "adam"), ("relu", "adam"), ("topk", "signum")])
+def test_bf16_autocast_region_matmuls_bf16_params_and_optimizer_state_fp32(arch: str, optimizer: str) -> None:
     sae = make_sae(arch, d_in=32, d_sae=256)
-    opt = make_optimizer(sae, 1e-3)
+    opt = make_optimizer(sae, 1e-3, optimizer)
     policy = PrecisionPolicy.resolve("bf16", "cpu")
     dead = DeadLatents(256, window=10**9)
     in_backward: list[bool] = []

@@ -113,13 +113,14 @@ class SaeTrainConfig:
     """auto, adam or signum. signum: schedule-free sign-SGD (Defazio et al.'s averaging around
     sign updates; sparsify's default); the SAE is evaluated and saved at the averaged point.
     auto: signum with the unit decoder start (topk/batchtopk by default; fixed-size sign steps
-    suit rows of fixed norm), adam otherwise (chosen by measurement; docs/BENCHMARKS.md)."""
+    suit rows of fixed norm), adam otherwise (chosen by measurement at 4,096-token batches; at
+    1,024, adam measured better; docs/BENCHMARKS.md)."""
     signum_momentum: float = 0.98
-    """signum: the interpolation beta of y = beta x + (1 - beta) z (sparsify: 0.95; 0.98 measured
-    better in short and long runs, docs/BENCHMARKS.md)."""
+    """signum: the interpolation beta of y = beta x + (1 - beta) z (sparsify: 0.95; 0.98 with
+    --signum_average_power 1 measured better at 3 of 4 settings, docs/BENCHMARKS.md)."""
     signum_average_power: float = 1.0
     """signum: step k enters the average x with weight k^power * lr_max^2 (sparsify: 0, a plain
-    average; 1 weighs recent steps more and measured better)."""
+    average; 1 weighs recent steps more and, with beta 0.98, measured better)."""
     learning_rate: float | None = None
     """Learning rate (default: C / sqrt(d_sae / 16384), Gao et al.'s width scaling; adam: C =
     3.2e-3 for the unit decoder start and 8e-4 for the small one; signum: C = 5e-3)."""
