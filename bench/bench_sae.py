@@ -88,9 +88,9 @@ def run_ours(
 ) -> dict:
     train, held = load_split(acts / "train"), load_split(acts / "eval")
     scale = scale_of(train)
-    data = batches(train, scale, args.batch, args.steps)
+    data = batches(train, scale, args.batch, args.steps, args.seed)
     held_out = torch.from_numpy(held * scale)
-    torch.manual_seed(0)
+    torch.manual_seed(args.seed)
     d_in = train.shape[1]
     kw = {"k": args.k, "sparse_kernels": sparse, "decoder_init": init, "aux_coefficient": args.aux}
     arch = SaeArchConfig(architecture=args.architecture, **kw)  # type: ignore[arg-type]
@@ -127,6 +127,7 @@ def run_ours(
         "optimizer": args.optimizer + (f"-{args.renorm}" if args.optimizer == "signum" else ""),
         "schedule": [warmup, decay] + ([args.momentum, args.r] if args.optimizer == "signum" else []),
         "aux_coefficient": arch.aux_coefficient,
+        "seed": args.seed,
     }
 
 
@@ -215,6 +216,7 @@ def main() -> None:
     p.add_argument("--r", type=float, default=1.0, help="signum: polynomial averaging weight k^r")
     p.add_argument("--momentum", type=float, default=0.98, help="signum: schedule-free beta")
     p.add_argument("--aux", type=float, default=1 / 32, help="AuxK coefficient")
+    p.add_argument("--seed", type=int, default=0, help="batch order and initialisation")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()

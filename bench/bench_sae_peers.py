@@ -35,7 +35,7 @@ def run_saelens(data: list, held: torch.Tensor, d_sae: int, args: argparse.Names
     from sae_lens.config import SAETrainerConfig
     from sae_lens.training.sae_trainer import SAETrainer
 
-    torch.manual_seed(0)
+    torch.manual_seed(args.seed)
     d_in = data[0].shape[1]
     sae = TopKTrainingSAE(TopKTrainingSAEConfig(d_in=d_in, d_sae=d_sae, k=args.k, device="cpu"))
     with torch.no_grad():
@@ -73,7 +73,7 @@ def run_sparsify(
 ) -> dict:
     from sparsify import SparseCoder, SparseCoderConfig
 
-    torch.manual_seed(0)
+    torch.manual_seed(args.seed)
     d_in = data[0].shape[1]
     sae = SparseCoder(d_in, SparseCoderConfig(num_latents=d_sae, k=args.k), device="cpu", dtype=torch.float32)
     if optimizer == "signum":
@@ -135,11 +135,12 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=None)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--decay", type=float, default=0.2)
+    p.add_argument("--seed", type=int, default=0, help="batch order and initialisation")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     train, held = load_split(args.acts / "train"), load_split(args.acts / "eval")
     scale = scale_of(train)
-    data = batches(train, scale, args.batch, args.steps)
+    data = batches(train, scale, args.batch, args.steps, args.seed)
     held_out = torch.from_numpy(held * scale)
     for e in args.expansion:
         d_sae = e * train.shape[1]
@@ -148,6 +149,7 @@ def main() -> None:
                 rec = run_saelens(data, held_out, d_sae, args, autocast=peer.endswith("bf16"))
             else:
                 rec = run_sparsify(data, held_out, d_sae, args, optimizer=peer.split("-")[1])
+            rec["seed"] = args.seed
             print(json.dumps(rec), flush=True)
             if args.out:
                 with open(args.out, "a") as f:
