@@ -1,9 +1,11 @@
-"""`assay sae train`: the training loop, checkpoints and resume.
+"""`assay sae train`: the training loop and resume (checkpoint files: assay/sae/checkpoint.py).
 
 Precision (one policy, applied here): with bf16 the forward of the train step (encode,
-decode, losses) runs under autocast; backward, gradient clipping and the Adam step run
-outside it; parameters and Adam state are fp32; the BatchTopK threshold EMA, dead-latent
-counters and metrics are updated with autocast off, in fp32. fp16 is refused by the config.
+decode, losses) runs under autocast; backward, gradient clipping and the optimizer step run
+outside it; parameters and optimizer state (Adam's moments, signum's z and x) are fp32; the
+BatchTopK threshold EMA, decoder renormalisation, dead-latent counters and metrics are updated
+with autocast off, in fp32. fp16 is refused by the config. With signum the parameters hold
+the gradient point y while training; evaluations and the saved SAE use the average x.
 """
 
 from __future__ import annotations
@@ -79,7 +81,13 @@ def make_optimizer(
 
 @torch.no_grad()
 def normalise_decoder(sae: SparseAutoencoder, opt: torch.optim.Optimizer, where: str | None = None) -> None:
-    """Unit decoder: rows back to norm 1 after a step (fp32). Schedule-free: see RENORM."""
+    """Unit decoder: rows back to norm 1 after a step (fp32).
+
+    Signum (`where`, default RENORM): "zx" puts the rows of z and of the average x on the sphere
+    and recomputes y = beta x + (1 - beta) z (the saved x keeps unit rows); "z" does z only;
+    "y" renormalises y itself and shifts x with it (what renormalising the parameters in place
+    under sparsify's ScheduleFreeWrapper amounts to). Compared in docs/BENCHMARKS.md.
+    """
     w = sae.W_dec
     if not sae.arch.unit_decoder:
         return
