@@ -39,6 +39,9 @@ MODES: tuple[str, ...] = ("trackstar", "cosine", "inner", "influence")
 AGGREGATES: tuple[str, ...] = ("none", "mean", "max")
 EPS = 1e-30
 BLOCK_BYTES = 1 << 20  # fp32 rows scored at once: stays in a core's L2 cache
+# A stacked plan reads each block once (one bmm), so it has no cache to stay in; its dozen small
+# ops per block cost more than the block's arithmetic at 1 MiB: measured ~20% faster at 4 MiB.
+STACKED_BLOCK_BYTES = 4 << 20
 
 
 class RowSource(Protocol):
@@ -248,7 +251,7 @@ def chunk_scores(plan: QueryPlan, rows: torch.Tensor, start: int = 0) -> torch.T
     Rows are cast to fp32 and scored a cache-sized block at a time (see the module docstring).
     """
     out = torch.empty(plan.vectors.shape[0], rows.shape[0])  # [A, C]
-    step = max(16, BLOCK_BYTES // (4 * rows.shape[1]))
+    step = max(16, (STACKED_BLOCK_BYTES if plan.stacked is not None else BLOCK_BYTES) // (4 * rows.shape[1]))
     scratch = _scratch(step, rows.shape[1], rows.device) if rows.dtype != STATS_DTYPE else None
     for s in range(0, rows.shape[0], step):
         block = rows[s : s + step]
