@@ -146,3 +146,18 @@ def test_unknown_optimizer_is_a_one_line_error(capsys) -> None:  # type: ignore[
     assert main(["sae", "train", "o", "--optimizer", "sgd"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--optimizer must be one of" in err
+
+
+def test_a_checkpoint_is_resumed_only_by_the_optimizer_that_wrote_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from assay.sae.checkpoint import TrainState, load_checkpoint, save_checkpoint
+    from assay.sae.metrics import DeadLatents
+    from assay.sae.model import SparseAutoencoder
+
+    sae = SparseAutoencoder(8, 32, SaeArchConfig(architecture="topk", k=2))
+    adam = make_optimizer(sae, 1e-3, "adam")
+    sae.train_forward(torch.randn(16, 8), None, 0.0).loss.backward()
+    adam.step()
+    save_checkpoint(tmp_path, sae, adam, DeadLatents(32, 100), TrainState(1, 16))
+    with pytest.raises(AssayError, match="holds adam state but this run uses signum"):
+        load_checkpoint(tmp_path, sae, make_optimizer(sae, 1e-3, "signum"), DeadLatents(32, 100))
+    assert load_checkpoint(tmp_path, sae, make_optimizer(sae, 1e-3, "adam"), DeadLatents(32, 100)).step == 1

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from assay.core.errors import AssayError
 from assay.core.runs import read_json, write_json
 from assay.sae.metrics import DeadLatents
 from assay.sae.model import SparseAutoencoder
@@ -46,7 +47,7 @@ def save_checkpoint(
             tensors[f"{i}.{key}"] = torch.as_tensor(value).detach().clone().contiguous()
     save_file(tensors, str(tmp / "optimizer.safetensors"))
     save_file({"since": dead.since.contiguous()}, str(tmp / "counters.safetensors"))
-    saved: dict[str, Any] = {"step": state.step, "tokens": state.tokens}
+    saved: dict[str, Any] = {"step": state.step, "tokens": state.tokens, "optimizer": _kind(opt)}
     if isinstance(opt, ScheduleFreeSignSGD):
         saved["optimizer_groups"] = opt.scalars()  # averaging weights (exact: JSON floats round-trip)
     write_json(tmp / "state.json", saved)
@@ -61,6 +62,12 @@ def load_checkpoint(
     run_dir: Path, sae: SparseAutoencoder, opt: torch.optim.Optimizer, dead: DeadLatents
 ) -> TrainState:
     folder = run_dir / CHECKPOINT
+    saved = read_json(folder / "state.json")
+    if saved.get("optimizer", "adam") != _kind(opt):
+        raise AssayError(
+            f"{folder} holds {saved.get('optimizer', 'adam')} state but this run uses {_kind(opt)}; "
+            "rerun with the same --optimizer or delete the checkpoint"
+        )
     sae.load_state_dict(load_file(str(folder / "sae.safetensors")))
     tensors = load_file(str(folder / "optimizer.safetensors"))
     for i, p in enumerate(sae.parameters()):
@@ -68,7 +75,10 @@ def load_checkpoint(
         if entries:
             opt.state[p] = entries
     dead.since.copy_(load_file(str(folder / "counters.safetensors"))["since"])
-    saved = read_json(folder / "state.json")
     if isinstance(opt, ScheduleFreeSignSGD):
         opt.load_scalars(saved["optimizer_groups"])
     return TrainState(step=int(saved["step"]), tokens=int(saved["tokens"]))
+
+
+def _kind(opt: torch.optim.Optimizer) -> str:
+    return "signum" if isinstance(opt, ScheduleFreeSignSGD) else "adam"
