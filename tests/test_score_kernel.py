@@ -111,7 +111,7 @@ def test_memmap_file_rows_fp16(data, tmp_path):
     np.save(tmp_path / "g.npy", stored)
     mm = np.load(tmp_path / "g.npy", mmap_mode="r")
     source = ArrayRows(mm)
-    assert source._file is not None  # read through a mapping of each chunk, not the whole memmap
+    assert source._file is not None  # read through the file, not the mapping
     exact = stored.astype(np.float32)
     np.testing.assert_array_equal(source.read(100, 230).numpy(), exact[100:230])
     assert source.read_raw(100, 230).dtype == torch.float16  # cast later, a cache-sized block at a time
@@ -138,25 +138,6 @@ def test_errors_are_clear(data):
         score_rows(source, plan)
     with pytest.raises(AssayError, match="--mode"):
         plan_queries(torch.from_numpy(queries), "bogus", "none")
-
-
-def _mappings_of(path) -> int:
-    with open("/proc/self/maps") as f:
-        return sum(str(path) in line for line in f)
-
-
-@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux's /proc")
-def test_file_rows_are_mapped_a_chunk_at_a_time(tmp_path):
-    """A chunk's mapping lives as long as its tensor: resident memory stays at the chunks in use."""
-    path = tmp_path / "g.npy"
-    np.save(path, np.arange(300 * 8, dtype=np.float32).reshape(300, 8))
-    source = ArrayRows(np.load(path, mmap_mode="r"))
-    before = _mappings_of(path)  # numpy's own (untouched) mapping of the whole file
-    chunk = source.read_raw(100, 200)
-    assert _mappings_of(path) == before + 1
-    assert chunk[0, 0] == 800 and chunk.shape == (100, 8)
-    del chunk
-    assert _mappings_of(path) == before
 
 
 def test_truncated_index_file_is_a_clear_error(tmp_path):

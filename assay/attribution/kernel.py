@@ -7,8 +7,8 @@ queries and each row needs only its norm ‖W t‖ besides the GEMM (from a per-
 small per-module product; see `LowRank`).
 
 Why it is fast: scoring a few queries is memory-bound, so every row should cross the memory bus
-once. A chunk is used where the OS page cache holds it, through a mapping of that chunk alone
-(no copy; resident memory stays bounded whatever N is), cast to fp32 and scored in blocks of
+once. A chunk (~8 MiB) is read from the file with plain reads (resident memory stays bounded
+whatever N is; the OS page cache does the rest), then cast to fp32 and scored in blocks of
 ~1 MiB that stay in the core's cache between the cast, the GEMM and the norms. Chunks are
 spread over worker threads, one per core, each running single-threaded torch: a few large
 operations per chunk instead of many small multi-threaded ones whose synchronisation would
@@ -65,10 +65,8 @@ class RowSource(Protocol):
 class ArrayRows:
     """Rows of a numpy array or memmap (fp16, fp32 or fp64).
 
-    A memmap straight over a file is read a chunk at a time through a mapping of that chunk
-    alone: the rows are used where the page cache holds them (no copy), and the mapping goes
-    when the chunk's tensor does, so resident memory stays at the chunks in flight however
-    large the file is. (A copy into a buffer by file reads measured ~2.5× slower.)
+    A memmap is read with file reads into reused buffers, so resident memory stays at a few
+    chunks however large the file is.
     """
 
     def __init__(self, array: np.ndarray):
@@ -82,32 +80,20 @@ class ArrayRows:
         self._slots: dict[int, np.ndarray] = {}
 
     def read_raw(self, start: int, stop: int, slot: int = 0) -> torch.Tensor:
-        if self._file is not None and stop > start:
-            return torch.from_numpy(self._mapped(start, stop))
         n = stop - start
         raw = self._buffer(slot, n)[:n]
-        raw[:] = self.array[start:stop]
+        if self._file is None:
+            raw[:] = self.array[start:stop]
+        else:
+            path, offset = self._file
+            with open(path, "rb", buffering=0) as f:
+                f.seek(offset + start * self.dim * self.array.itemsize)
+                if f.readinto(raw.data.cast("B")) != raw.nbytes:
+                    raise AssayError(f"{path} is shorter than its header says: a damaged index")
         return torch.from_numpy(raw)
 
     def read(self, start: int, stop: int, slot: int = 0) -> torch.Tensor:
         return self.read_raw(start, stop, slot).to(STATS_DTYPE)
-
-    def _mapped(self, start: int, stop: int) -> np.ndarray:
-        """Rows start..stop [n, D] viewed through a private mapping of just their bytes."""
-        assert self._file is not None
-        path, offset = self._file
-        row_bytes = self.dim * self.array.itemsize
-        first = offset + start * row_bytes
-        base = first - first % mmap.ALLOCATIONGRANULARITY  # mappings start at a page boundary
-        try:
-            with open(path, "rb") as f:  # the mapping stays valid once the file is closed
-                # copy-on-write: writable views (torch wants them) that can never reach the file
-                region = mmap.mmap(f.fileno(), first + (stop - start) * row_bytes - base,
-                                   access=mmap.ACCESS_COPY, offset=base)  # fmt: skip
-        except ValueError:
-            raise AssayError(f"{path} is shorter than its header says: a damaged index") from None
-        count = (stop - start) * self.dim
-        return np.frombuffer(region, self.array.dtype, count, first - base).reshape(stop - start, self.dim)
 
     def _buffer(self, slot: int, n: int) -> np.ndarray:
         """The [n, D] stored-dtype buffer of this slot, grown when needed."""
