@@ -15,8 +15,8 @@ sees bf16 gradients. Both are cast to fp32 explicitly, inside an autocast-off re
 projection, so products and sums accumulate in fp32 whatever the compute dtype.
 
 Memory: while collecting, SwiGLU MLPs and RMSNorms keep only their inputs for backward and
-grouped-query attention keeps no repeated key/value heads (`assay.core.lean`: a quarter less
-activation memory on SmolLM2; the same numbers up to the order of the key/value gradient sums).
+grouped-query attention keeps no repeated key/value heads (`assay.core.lean`: the same numbers
+up to the order of the key/value gradient sums; docs/index-format.md).
 """
 
 from __future__ import annotations
