@@ -128,3 +128,31 @@ def test_grouped_query_attention_only_on_cpu_and_restores_the_switch():
     assert lean.FORCE_GQA not in os.environ
     with lean.grouped_query_attention(torch.device("cuda")) as on:
         assert not on and lean.FORCE_GQA not in os.environ
+
+
+def test_compute_casts_leave_lora_adapters_alone():
+    """PEFT casts a LoRA layer's input to its adapter's weight dtype: bf16 adapters would change
+    what the adapter hooks see, so only base weights are cast."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(tiny_llama(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.1)  # non-zero B, so the adapters matter
+    modules = {n: m for n, m in model.named_modules() if n.endswith(("lora_A.default", "lora_B.default"))}
+    examples = random_examples([9, 5, 12], seed=1)
+    policy = PrecisionPolicy.resolve("bf16", "cpu")
+
+    def rows() -> torch.Tensor:
+        from assay.attribution.collector import GradientCollector
+        from assay.core.data import collate
+        from assay.core.lm import example_losses
+
+        batch = collate(examples, np.arange(3), pad_id=0)
+        with GradientCollector(model, modules, Projector(4, 0), policy) as col:
+            return col.gradients(batch, example_losses)[0]
+
+    before = rows()
+    assert keep_compute_casts(model, policy) > 0
+    assert all(p.dtype == torch.float32 for n, p in model.named_parameters() if "lora_" in n)
+    assert torch.equal(before, rows())

@@ -50,7 +50,8 @@ def keep_compute_casts(model: nn.Module, policy: PrecisionPolicy) -> int:
 
     Only for a model used for gradient collection from here on (its master weights are gone).
     Left in fp32: the output head (its fp16 gradient path reads fp32 weights), weights shared
-    with any other module (a tied embedding is looked up in fp32), and everything outside
+    with any other module (a tied embedding is looked up in fp32), LoRA adapters (PEFT casts
+    their input to their weight's dtype, which would change it), and everything outside
     autocast policies (fp32 and bf16-pure have nothing to gain).
     """
     dtype = policy.autocast_dtype
@@ -63,9 +64,11 @@ def keep_compute_casts(model: nn.Module, policy: PrecisionPolicy) -> int:
         for p in module.parameters(recurse=False):
             owners[id(p)] = owners.get(id(p), 0) + 1
     changed = 0
-    for module in model.modules():
+    for name, module in model.named_modules():
         weight = _linear_weight(module)
         if weight is None or module is head or owners[id(weight)] > 1 or weight.dtype != torch.float32:
+            continue
+        if ".lora_" in name:  # PEFT casts a LoRA layer's input to its adapter's dtype: keep fp32
             continue
         if type(weight.data).__name__ == "DTensor":  # sharded (--fsdp): FSDP owns the dtypes
             continue
