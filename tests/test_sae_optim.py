@@ -161,3 +161,14 @@ def test_a_checkpoint_is_resumed_only_by_the_optimizer_that_wrote_it(tmp_path) -
     with pytest.raises(AssayError, match="holds adam state but this run uses signum"):
         load_checkpoint(tmp_path, sae, make_optimizer(sae, 1e-3, "signum"), DeadLatents(32, 100))
     assert load_checkpoint(tmp_path, sae, make_optimizer(sae, 1e-3, "adam"), DeadLatents(32, 100)).step == 1
+
+
+def test_a_config_saved_before_the_options_existed_replays_as_it_ran() -> None:
+    """`assay replay` of an old run: no --optimizer meant Adam, no --decoder_init the small start."""
+    from assay.core.runs import config_from_dict, config_to_dict
+
+    saved = config_to_dict(SaeTrainConfig(out="o"))
+    del saved["optimizer"], saved["sae"]["decoder_init"]
+    old = config_from_dict(SaeTrainConfig, saved)
+    assert (old.optimizer, old.sae.decoder_init, old.optimizer_name) == ("adam", "small", "adam")
+    assert config_from_dict(SaeTrainConfig, config_to_dict(SaeTrainConfig(out="o"))).optimizer == "auto"

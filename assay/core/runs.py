@@ -59,12 +59,19 @@ def config_to_dict(cfg: Any) -> dict[str, Any]:
 
 
 def config_from_dict(cls: type, data: dict[str, Any]) -> Any:
-    """Rebuild a (nested) dataclass config from `config_to_dict` output."""
+    """Rebuild a (nested) dataclass config from `config_to_dict` output.
+
+    A field missing from `data` takes the class's `LEGACY_DEFAULTS` entry when it has one (what
+    runs did before the field existed, so an old config replays as it ran), else its default.
+    """
     hints = typing.get_type_hints(cls)
+    legacy = getattr(cls, "LEGACY_DEFAULTS", {})
     kwargs = {}
     for f in dataclasses.fields(cls):
         if f.name in data:
             kwargs[f.name] = _from_json(hints[f.name], data[f.name])
+        elif f.name in legacy:
+            kwargs[f.name] = legacy[f.name]
     return cls(**kwargs)
 
 

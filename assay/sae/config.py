@@ -7,7 +7,7 @@ replayed from its saved `config.json`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 import tyro
 
@@ -27,6 +27,9 @@ FP16_REFUSAL = (
 @dataclass
 class SaeArchConfig:
     """The SAE itself: architecture, width and sparsity."""
+
+    LEGACY_DEFAULTS: ClassVar[dict[str, object]] = {"decoder_init": "small"}
+    """Saved configs from before --decoder_init trained with the small start."""
 
     architecture: Architecture = "topk"
     """relu (ReLU + L1), topk (exactly k latents per token), batchtopk (k per token on average
@@ -88,6 +91,9 @@ class SaeArchConfig:
 @dataclass
 class SaeTrainConfig:
     """Train a sparse autoencoder on a language model's activations at one module."""
+
+    LEGACY_DEFAULTS: ClassVar[dict[str, object]] = {"optimizer": "adam"}
+    """Saved configs from before --optimizer trained with Adam (`assay replay` keeps it)."""
 
     out: tyro.conf.Positional[str]
     """Output folder: the SAE in SAELens format, metrics.jsonl, checkpoints, summary.json."""
