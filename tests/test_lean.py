@@ -58,10 +58,10 @@ def _kept_bytes(model, precision: str, monkeypatch) -> int:
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_recomputed_elementwise_steps_give_identical_gradients(precision, monkeypatch):
     model = _model(tiny_llama, precision)
-    lean = _rows(model, precision)
+    recomputed = _rows(model, precision)
     monkeypatch.setattr(collector_module, "recompute_elementwise", lambda m: contextlib.nullcontext())
     plain = _rows(model, precision)
-    assert torch.equal(lean[0], plain[0]) and torch.equal(lean[1], plain[1])
+    assert torch.equal(recomputed[0], plain[0]) and torch.equal(recomputed[1], plain[1])
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)

@@ -33,7 +33,7 @@ from torch import nn
 
 from assay.attribution.projection import Projector
 from assay.core.errors import AssayError
-from assay.core.hooks import match_modules
+from assay.core.hooks import is_conv1d, is_linear, match_modules
 from assay.core.lean import grouped_query_attention, recompute_elementwise
 from assay.core.precision import STATS_DTYPE, PrecisionPolicy, check_finite, full_precision
 
@@ -43,15 +43,6 @@ Objective = Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]
 DEFAULT_MODULES: tuple[str, ...] = ("!*lm_head",)
 FP16_INITIAL_SCALE = 2.0**12
 FP16_MAX_RETRIES = 12
-
-
-def is_conv1d(module: nn.Module) -> bool:
-    """GPT-2's Conv1D: a linear layer whose weight is stored (in, out)."""
-    return type(module).__name__ == "Conv1D" and getattr(module, "weight", None) is not None
-
-
-def is_linear(module: nn.Module) -> bool:
-    return isinstance(module, nn.Linear) or is_conv1d(module)
 
 
 def linear_modules(model: nn.Module, patterns: tuple[str, ...] = DEFAULT_MODULES) -> dict[str, nn.Module]:

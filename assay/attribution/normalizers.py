@@ -28,6 +28,7 @@ from torch import nn
 from assay.core.data import Examples, collate, token_batches
 from assay.core.errors import AssayError
 from assay.core.fsdp import full_tensor
+from assay.core.hooks import is_conv1d
 from assay.core.lm import example_losses
 from assay.core.precision import STATS_DTYPE, PrecisionPolicy, full_precision
 
@@ -78,7 +79,6 @@ class Normalizer:
 
 
 def _weight_shape_out_in(module: nn.Module) -> tuple[int, int]:
-    from assay.attribution.collector import is_conv1d
 
     rows, cols = (int(d) for d in module.weight.shape)  # type: ignore[union-attr]
     return (cols, rows) if is_conv1d(module) else (rows, cols)
@@ -113,7 +113,6 @@ def estimate_normalizer(
     Each step's gradient is that of the mean token loss of one token batch (as a trainer
     computes it), taken under the precision policy; moments accumulate in fp32, autocast off.
     """
-    from assay.attribution.collector import is_conv1d
 
     saved = {n: p.requires_grad for n, p in model.named_parameters()}
     for p in model.parameters():
@@ -207,7 +206,6 @@ def _load_assay_state(path: Path, kind: str, modules: dict[str, nn.Module]) -> N
 def _tensors_from_state(
     kind: str, name: str, module: nn.Module, state: dict[str, Any], path: str | Path
 ) -> dict[str, torch.Tensor]:
-    from assay.attribution.collector import is_conv1d
 
     conv = is_conv1d(module)
     if "exp_avg_sq" in state:

@@ -23,6 +23,16 @@ def get_module(model: nn.Module, name: str) -> nn.Module:
         raise AssayError(f"model has no module {name!r}{hint}") from None
 
 
+def is_conv1d(module: nn.Module) -> bool:
+    """GPT-2's Conv1D: a linear layer whose weight is stored (in, out)."""
+    return type(module).__name__ == "Conv1D" and getattr(module, "weight", None) is not None
+
+
+def is_linear(module: nn.Module) -> bool:
+    """An `nn.Linear` or a Conv1D (an addmm, so autocast treats it as a matmul too)."""
+    return isinstance(module, nn.Linear) or is_conv1d(module)
+
+
 def match_modules(names: list[str], patterns: tuple[str, ...]) -> list[str]:
     """Names matching the glob patterns; a pattern starting with `!` excludes."""
     include = [p for p in patterns if not p.startswith("!")] or ["*"]

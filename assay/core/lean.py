@@ -1,6 +1,6 @@
 """Memory a gradient-collection pass holds without needing it, given back without changing a number.
 
-Collecting per-example gradients runs forward and backward through a frozen model. Two things
+Collecting per-example gradients runs forward and backward through a frozen model. Three things
 take memory there that the results never depend on:
 
 - **Master weights under autocast.** A frozen linear layer's fp32 weight is only ever read
@@ -32,17 +32,10 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from assay.core.hooks import is_linear
 from assay.core.precision import PrecisionPolicy
 
 SWIGLU_PARTS = ("gate_proj", "up_proj", "down_proj", "act_fn")
-
-
-def _linear_weight(module: nn.Module) -> torch.Tensor | None:
-    """The weight of an `nn.Linear` or a GPT-2-style `Conv1D` (an addmm under autocast)."""
-    if isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D":
-        weight = getattr(module, "weight", None)
-        return weight if isinstance(weight, nn.Parameter) else None
-    return None
 
 
 def keep_compute_casts(model: nn.Module, policy: PrecisionPolicy) -> int:
@@ -65,8 +58,10 @@ def keep_compute_casts(model: nn.Module, policy: PrecisionPolicy) -> int:
             owners[id(p)] = owners.get(id(p), 0) + 1
     changed = 0
     for name, module in model.named_modules():
-        weight = _linear_weight(module)
-        if weight is None or module is head or owners[id(weight)] > 1 or weight.dtype != torch.float32:
+        if not is_linear(module) or module is head:
+            continue
+        weight = module.weight
+        if owners[id(weight)] > 1 or weight.dtype != torch.float32:
             continue
         if ".lora_" in name:  # PEFT casts a LoRA layer's input to its adapter's dtype: keep fp32
             continue
