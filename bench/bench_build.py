@@ -160,10 +160,11 @@ def process_benchmark(args, data: Path, precision: str, work: Path) -> dict:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     out: dict = {"ours": [], "peer": []}
     # the loop benchmark warms the tokenization cache and the page cache; without it, one untimed run
+    ours_env = {**os.environ, **dict(kv.split("=", 1) for kv in args.ours_env)}
     if args.no_loop:
-        timed(ours_cmd)
+        timed(ours_cmd, ours_env)
     for _ in range(args.process_repeats):
-        out["ours"].append(timed(ours_cmd))
+        out["ours"].append(timed(ours_cmd, ours_env))
         if args.peer_python:
             out["peer"].append(timed(peer_cmd, env))
     return out
@@ -190,6 +191,9 @@ def main() -> None:
     ap.add_argument("--peer_python", default="", help="python of a venv with bergson 2.5.1")
     ap.add_argument("--no_process", action="store_true", help="skip whole-process runs")
     ap.add_argument("--no_loop", action="store_true", help="skip the in-process loop timing")
+    ap.add_argument(
+        "--ours_env", nargs="*", default=[], help="VAR=VALUE set for `assay build` only (e.g. allocator)"
+    )
     ap.add_argument("--out", default="", help="write the results as JSON here")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
