@@ -198,8 +198,18 @@ def _fail(message: str) -> None:
 
 
 def _finish_distributed() -> None:
-    """Leave the process group cleanly after a successful distributed run."""
-    if _rank_label():
-        from assay.core.distributed import abort_process_group
+    """Leave the process group cleanly after a successful distributed run, then exit at once.
 
-        abort_process_group()
+    The barrier lets no rank shut its connections while a peer still finishes the last
+    collective. Exiting with os._exit skips interpreter finalization, where gloo's worker
+    threads were seen to abort a rank (std::terminate, SIGABRT) after all its work was done;
+    every output is already written and closed by then."""
+    if _rank_label():
+        import os
+
+        from assay.core.distributed import finish_process_group
+
+        finish_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)

@@ -214,10 +214,8 @@ class Distributed:
         return errors[0] if errors else None
 
 
-def abort_process_group() -> None:
-    """Tear down the process group after an error so the other ranks fail fast under torchrun."""
+def finish_process_group() -> None:
+    """After a successful run: wait for every rank, then tear the process group down."""
     if tdist.is_available() and tdist.is_initialized():
-        try:
-            tdist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - already exiting; the original error is what matters
-            pass
+        tdist.barrier()
+        tdist.destroy_process_group()
