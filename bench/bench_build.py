@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from assay.attribution.build import GradientSetup, iter_gradients
-from assay.attribution.collector import linear_modules
+from assay.attribution.collector import GradientCollector, linear_modules
 from assay.attribution.projection import Projector
 from assay.core.config import DataConfig, ModelConfig
 from assay.core.data import collate, load_examples, token_batches
@@ -80,8 +80,27 @@ def collect_pass(setup, examples, positions_list) -> np.ndarray:
     return rows
 
 
-def loop_benchmark(model_name: str, data: Path, precision: str, tbs: int, repeats: int, p: int) -> dict:
-    """Alternate floor and collector passes over the same batches; medians of tokens/s."""
+class Fp32ProjectionSetup(GradientSetup):
+    """The collector that casts every layer input and output gradient to fp32 before projecting
+    (the default projects bf16 ones by a bf16 GEMM against the exact signs)."""
+
+    def collector(self) -> GradientCollector:
+        return GradientCollector(
+            self.model,
+            self.modules,
+            self.projector,
+            self.policy,
+            self.normalizer,
+            project_in_compute_dtype=False,
+        )
+
+
+def loop_benchmark(
+    model_name: str, data: Path, precision: str, tbs: int, repeats: int, p: int, fp32_projection: bool = False
+) -> dict:
+    """Alternate floor and collector passes over the same batches; medians of tokens/s.
+
+    With `fp32_projection`, a third pass with the fp32-cast projection alternates with them."""
     return_freed_memory()  # as the `assay` command does; the floor shares the process
     policy = PrecisionPolicy.resolve(precision, "cpu")
     tokenizer = load_tokenizer(ModelConfig(model=model_name))
@@ -96,9 +115,13 @@ def loop_benchmark(model_name: str, data: Path, precision: str, tbs: int, repeat
     setup = GradientSetup(
         collected, tokenizer, policy, linear_modules(collected), Projector(p), None, tokenizer.pad_token_id
     )
-    floor_pass(model, batches, policy)  # warm-up: every shape once, both paths
+    bf16_inputs = policy.compute_dtype == torch.bfloat16  # the only inputs the default projects as they are
+    cast_setup = Fp32ProjectionSetup(**vars(setup)) if fp32_projection and bf16_inputs else None
+    floor_pass(model, batches, policy)  # warm-up: every shape once, every path
     rows = collect_pass(setup, examples, positions_list)
-    floor_s, ours_s = [], []
+    if cast_setup is not None:
+        collect_pass(cast_setup, examples, positions_list)
+    floor_s, ours_s, cast_s = [], [], []
     for _ in range(repeats):
         t = time.perf_counter()
         floor_pass(model, batches, policy)
@@ -106,8 +129,20 @@ def loop_benchmark(model_name: str, data: Path, precision: str, tbs: int, repeat
         t = time.perf_counter()
         rows = collect_pass(setup, examples, positions_list)
         ours_s.append(time.perf_counter() - t)
+        if cast_setup is not None:
+            t = time.perf_counter()
+            cast_rows = collect_pass(cast_setup, examples, positions_list)
+            cast_s.append(time.perf_counter() - t)
     f, o = statistics.median(floor_s), statistics.median(ours_s)
+    extra = {}
+    if cast_setup is not None:
+        extra = {
+            "fp32_projection_tok_s": tokens / statistics.median(cast_s),
+            "fp32_projection_runs_s": cast_s,
+            "min_cosine_to_fp32_projection": float(cosines(rows, cast_rows).min()),
+        }
     return {
+        **extra,
         "precision": precision,
         "tokens": tokens,
         "batches": len(batches),
@@ -192,6 +227,12 @@ def main() -> None:
     ap.add_argument("--no_process", action="store_true", help="skip whole-process runs")
     ap.add_argument("--no_loop", action="store_true", help="skip the in-process loop timing")
     ap.add_argument(
+        "--fp32_projection",
+        action="store_true",
+        help="also time the loop with every input cast to fp32 before projecting, and report "
+        "the cosine of its rows to the default's",
+    )
+    ap.add_argument(
         "--ours_env", nargs="*", default=[], help="VAR=VALUE set for `assay build` only (e.g. allocator)"
     )
     ap.add_argument("--out", default="", help="write the results as JSON here")
@@ -208,7 +249,9 @@ def main() -> None:
             loop: dict = {"precision": precision}
             if not args.no_loop:
                 tbs = args.token_batch_size
-                loop = loop_benchmark(args.model, data, precision, tbs, args.repeats, args.p)
+                loop = loop_benchmark(
+                    args.model, data, precision, tbs, args.repeats, args.p, args.fp32_projection
+                )
                 rows[precision] = loop.pop("rows")
                 print(json.dumps(loop), flush=True)
             if not args.no_process:

@@ -100,13 +100,17 @@ class GradientCollector:
         projector: Projector,
         policy: PrecisionPolicy,
         normalizer: Any = None,
-        project_in_compute_dtype: bool = False,
+        project_in_compute_dtype: bool = True,
     ):
         self.model, self.modules, self.projector, self.policy = model, modules, projector, policy
-        # False: cast a and g to fp32, then project (default; see docs/index-format.md).
-        # True: project bf16/fp16 tensors as they are (fp32 accumulation inside the GEMM, the
-        # p-wide result rounded once to the compute dtype, then fp32): no full-width casts.
-        self.project_in_compute_dtype = project_in_compute_dtype
+        # True (default): a bf16 a or g is projected as it is, by a bf16 GEMM against the exact
+        # ±1 signs (fp32 accumulation inside, the p-wide result rounded once to bf16, then fp32
+        # and the 1/√f scale): no full-width fp32 cast of the layer's activations. fp16 is cast
+        # first (loss-scaled values could overflow a p-wide fp16 result), and so is everything
+        # under Adafactor (its scales, folded into P, are not exact in bf16). False: always
+        # cast to fp32, then project. See docs/index-format.md for what each costs.
+        adafactor = normalizer is not None and normalizer.kind == "adafactor"
+        self._signs_only = project_in_compute_dtype and not adafactor  # Adafactor scales P's columns
         self.normalizer = normalizer
         self.slots = layout(modules, projector.dim)
         self.dim = self.slots[-1].stop
@@ -178,8 +182,9 @@ class GradientCollector:
 
     def _project(self, x: torch.Tensor, mat: torch.Tensor) -> torch.Tensor:
         """[B, T, f] @ [k, f]ᵀ -> [B, T, k] fp32."""
-        if self.project_in_compute_dtype and x.dtype != STATS_DTYPE:
-            return F.linear(x, mat.to(x.dtype)).to(STATS_DTYPE)
+        if self._signs_only and x.dtype == torch.bfloat16:
+            root = self.projector.dim**0.5  # P = signs / √p: the signs are exact in bf16
+            return F.linear(x, (mat * root).to(x.dtype)).to(STATS_DTYPE) / root
         return F.linear(x.to(STATS_DTYPE), mat)
 
     def _masked(self, x: torch.Tensor) -> torch.Tensor:
