@@ -24,6 +24,13 @@ class Command:
     config: str
     run: str
     summary: str
+    libraries: tuple[str, ...] = (
+        "datasets",
+        "transformers.modeling_utils",
+        "transformers.models.auto.modeling_auto",
+        "transformers.models.auto.tokenization_auto",
+    )
+    """Modules `entry` imports ahead of the run (the model and data libraries it uses)."""
 
     def load(self) -> tuple[type, Callable[[Any], Any]]:
         return _import(self.config), _import(self.run)
@@ -79,6 +86,7 @@ COMMANDS: dict[str, Command] = {
         "assay.report.command:ReportConfig",
         "assay.report.command:run_report",
         "One self-contained HTML report (charts, top examples, SAE feature browser) of run folders.",
+        libraries=(),
     ),
     "demo": Command(
         "assay.demo:DemoConfig",
@@ -147,6 +155,41 @@ def replay(args: list[str]) -> Any:
     data["overwrite"] = "--overwrite" in args or data.get("overwrite", False)
     note(f"replaying `assay {saved['command']}` into {data['out']}")
     return run(config_from_dict(config_cls, data))
+
+
+def entry() -> int:
+    """`assay` as a whole process (the console script, `python -m assay`, torchrun).
+
+    Imports the command and the model libraries up front with their objects frozen out of the
+    garbage collector, and freezes everything left at the end, so that neither the run's
+    collections nor interpreter shutdown walk them (see `frozen_imports`). `main` itself
+    leaves the collector alone, so tests can call it in-process.
+    """
+    import gc
+
+    from assay.core.memory import frozen_imports
+
+    command = _command_to_preload(sys.argv[1:])
+    if command is not None:
+        with frozen_imports():
+            command.load()
+            for library in command.libraries:
+                importlib.import_module(library)
+    code = main()
+    gc.freeze()  # nothing is collected after this: shutdown need not walk every live object
+    return code
+
+
+def _command_to_preload(args: list[str]) -> Command | None:
+    """The command `args` runs, unless they ask for help or name none (then nothing is worth
+    importing ahead)."""
+    if not args or any(a in ("-h", "--help", "help") for a in args):
+        return None
+    try:
+        name, _ = _split_command(args)
+    except AssayError:
+        return None
+    return COMMANDS.get(name)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

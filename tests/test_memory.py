@@ -32,3 +32,33 @@ def test_freed_tensors_leave_the_process():
 
     assert returned("on") > 100  # 128 MiB freed in holes: given back
     assert returned("off") < 50  # glibc's default keeps them: the test can tell the difference
+
+
+FROZEN = """
+import gc, sys
+from assay.cli import entry
+sys.argv = ["assay", *sys.argv[1:]]
+before = gc.get_freeze_count()
+try:
+    entry()
+except SystemExit:
+    pass
+libraries = ["torch" in sys.modules, "transformers.modeling_utils" in sys.modules]
+print(*libraries, gc.isenabled(), gc.get_freeze_count() > before)
+"""
+
+
+def test_entry_imports_a_command_frozen_and_help_stays_light():
+    """`assay CMD` imports the command and the model libraries with their objects frozen out of
+    the garbage collector (which stays on); `assay --help` imports none of them."""
+
+    def run(*args: str) -> list[str]:
+        out = subprocess.run(
+            [sys.executable, "-c", FROZEN, *args], capture_output=True, text=True, check=True
+        )
+        return out.stdout.splitlines()[-1].split()  # after the command's own output
+
+    assert run("--help") == ["False", "False", "True", "True"]  # frozen at the end only
+    assert run("eval", "--help")[1:3] == ["False", "True"]  # the config class needs torch only
+    frozen = run("eval", "--model", "nonexistent-model-dir", "--dataset", "x.jsonl")  # fails fast
+    assert frozen == ["True", "True", "True", "True"]
