@@ -144,7 +144,7 @@ def model_fingerprint(model: Any) -> str:
     with torch.no_grad():
         for name, p in model.named_parameters():
             whole = full_tensor(p)  # --fsdp: every rank gathers it (one parameter at a time)
-            h.update(f"{name}{tuple(p.shape)}{float(whole.double().sum()):.6e}".encode())
+            h.update(f"{name}{tuple(p.shape)}{float(whole.sum(dtype=torch.float64)):.6e}".encode())
     return h.hexdigest()[:16]
 
 
