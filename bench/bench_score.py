@@ -6,7 +6,7 @@ Each case runs in its own subprocess so its peak resident memory (ru_maxrss) is 
              or float32, the two `assay build --store_dtype` choices):
              read chunk -> fp32 blocks -> GEMM (+ the mode's row norms) -> running top-k
 Usage: python bench/bench_score.py [--rows 100000] [--dim 3584] [--queries 4] [--repeats 3] [--rounds 3]
-                                   [--dtype float16]
+                                   [--dtype float16] [--chunk_mib 8 32]
 Ratios are medians over rounds of each case's time over the matmul's time in the same round.
 """
 
@@ -61,7 +61,7 @@ def rss_mib(field: str = "VmRSS") -> float:
     return float("nan")
 
 
-def run_case(case: str, path: Path, queries: int, repeats: int) -> dict:
+def run_case(case: str, path: Path, queries: int, repeats: int, chunk_mib: int = 0) -> dict:
     from assay.attribution.kernel import ArrayRows, plan_queries, score_rows
     from assay.attribution.score import auto_chunk_rows
 
@@ -70,7 +70,7 @@ def run_case(case: str, path: Path, queries: int, repeats: int) -> dict:
     before = rss_mib()
     q = torch.randn(queries, dim, generator=torch.Generator().manual_seed(2))
     times, extra = [], {}
-    chunk = auto_chunk_rows(dim)
+    chunk = auto_chunk_rows(dim) if chunk_mib == 0 else max(64, (chunk_mib << 20) // (4 * dim))
     if case == "matmul":
         full = torch.from_numpy(np.array(rows, dtype=np.float32))  # the whole matrix in RAM (a copy)
         for _ in range(repeats + 1):
@@ -128,11 +128,18 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dtype", default="float16", choices=["float16", "float32"])
     ap.add_argument("--cases", default="matmul,inner,cosine,influence,trackstar,trackstar-cached")
+    ap.add_argument(
+        "--chunk_mib",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="rows per chunk as MiB of fp32 (0: assay score's own choice); several are compared",
+    )
     ap.add_argument("--case", help=argparse.SUPPRESS)
     ap.add_argument("--path", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.case:  # child process: one measurement
-        print(json.dumps(run_case(args.case, Path(args.path), args.queries, args.repeats)))
+        print(json.dumps(run_case(args.case, Path(args.path), args.queries, args.repeats, args.chunk_mib[0])))
         return
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "gradients.npy"
@@ -145,16 +152,21 @@ def main() -> None:
         norms_seconds = None
         if "trackstar-cached" in args.cases.split(","):
             norms_seconds = norm_pass(path, args.queries)
-        runs: dict[str, list[dict]] = {c: [] for c in args.cases.split(",")}
+        runs: dict[str, list[dict]] = {}
+        for case in args.cases.split(","):
+            for mib in [0] if case == "matmul" else args.chunk_mib:
+                runs[case if len(args.chunk_mib) == 1 or case == "matmul" else f"{case}@{mib}MiB"] = []
         for _ in range(args.rounds):  # cases interleaved, so load drift on a shared machine hits all alike
-            for case in runs:
+            for name in runs:
+                case, _, mib = name.partition("@")
                 cmd = [sys.executable, __file__, "--case", case, "--path", str(path)]
                 cmd += ["--queries", str(args.queries), "--repeats", str(args.repeats)]
+                cmd += ["--chunk_mib", mib.removesuffix("MiB") or str(args.chunk_mib[0])]
                 out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-                runs[case].append(json.loads(out.strip().splitlines()[-1]))
+                runs[name].append(json.loads(out.strip().splitlines()[-1]))
         results = []
-        for rs in runs.values():
-            r = dict(rs[0])
+        for name, rs in runs.items():
+            r = {**rs[0], "case": name}
             r["seconds"] = float(np.median([x["seconds"] for x in rs]))
             r["rows_per_s"] = r["rows"] / r["seconds"]
             if "matmul" in runs:  # median over rounds of the same-round ratio
@@ -163,13 +175,13 @@ def main() -> None:
                 )
             results.append(r)
         base = "matmul" in runs
-        head = f"{'case':<17} {'rows/s':>12} {'seconds':>8} {'vs matmul':>9} {'peak RSS MiB':>12}"
+        head = f"{'case':<24} {'rows/s':>12} {'seconds':>8} {'vs matmul':>9} {'peak RSS MiB':>12}"
         print(head + f" {'above imports':>14}")
         for r in results:
             ratio = f"{r['ratio']:.2f}x" if base else "-"
-            line = f"{r['case']:<17} {r['rows_per_s']:>12,.0f} {r['seconds']:>8.3f} {ratio:>9} "
+            line = f"{r['case']:<24} {r['rows_per_s']:>12,.0f} {r['seconds']:>8.3f} {ratio:>9} "
             line += f"{r['peak_rss_mib']:>12,.0f} {r['peak_rss_mib'] - r['rss_before_mib']:>14,.0f}"
-            if r["case"] == "trackstar-cached":
+            if r["case"].startswith("trackstar-cached"):
                 line += f"   (after a one-time norm pass of {norms_seconds:.1f} s, cached)"
             print(line)
 

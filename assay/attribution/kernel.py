@@ -7,7 +7,7 @@ queries and each row needs only its norm ‖W t‖ besides the GEMM (from a per-
 small per-module product; see `LowRank`).
 
 Why it is fast: scoring a few queries is memory-bound, so every row should cross the memory bus
-once. A chunk (~8 MiB) is read from the file with plain reads (resident memory stays bounded
+once. A chunk (~32 MiB) is read from the file with plain reads (resident memory stays bounded
 whatever N is; the OS page cache does the rest), then cast to fp32 and scored in blocks of
 ~1 MiB that stay in the core's cache between the cast, the GEMM and the norms. Chunks are
 spread over worker threads, one per core, each running single-threaded torch: a few large

@@ -87,7 +87,8 @@ class ScoreConfig:
     save_scores: bool = False
     """Also write every score: scores.npy [queries or 1, N] float32."""
     chunk_rows: int = 0
-    """Index rows scored per chunk (0: ~8 MiB of fp32 rows, which stays in the CPU cache)."""
+    """Index rows scored per chunk (0: ~32 MiB of fp32 rows; the arithmetic runs on cache-sized
+    blocks within it)."""
     search: Literal["exact", "faiss"] = "exact"
     """exact: stream every row (default). faiss: an approximate IVF index, built once per index
     and cached, for many millions of rows (needs `assay[faiss]`; trackstar then uses λ = 0)."""
@@ -246,11 +247,14 @@ def stream_moment_sums(index: GradientIndex, chunk_rows: int) -> dict[str, torch
 
 
 def auto_chunk_rows(dim: int) -> int:
-    """Rows per chunk, ~8 MiB of fp32: a few file reads per second of work, few top-k merges.
+    """Rows per chunk, ~32 MiB of fp32: few file reads, thread hand-offs and top-k merges.
 
-    (The arithmetic runs on cache-sized blocks within the chunk; see kernel.BLOCK_BYTES.)
+    Each chunk costs a fixed amount besides its rows; against 8 MiB chunks, 32 MiB ones scored
+    1.2–1.4× faster for ~36 MiB more resident memory, and 64 MiB gained little more
+    (`bench/bench_score.py --chunk_mib 8 32`, docs/BENCHMARKS.md). The arithmetic still runs
+    on cache-sized blocks within the chunk (kernel.BLOCK_BYTES).
     """
-    return max(64, (8 << 20) // (4 * dim))
+    return max(64, (32 << 20) // (4 * dim))
 
 
 def index_cache_path(index: GradientIndex, kind: str, key: str, suffix: str) -> Path:
