@@ -11,8 +11,10 @@ backward still reaches the hooked layers because a hooked output that does not r
 grad (the first layer's, whose inputs are constants) is turned into a leaf that does.
 
 Precision: under autocast a forward hook sees fp32 or bf16 inputs and the backward hook
-sees bf16 gradients. Both are cast to fp32 explicitly, inside an autocast-off region, before
-projection, so products and sums accumulate in fp32 whatever the compute dtype.
+sees bf16 gradients. Inside an autocast-off region, a bf16 one is projected by a bf16 GEMM
+against the exact ±1 signs (fp32 accumulation, the p-wide result rounded once) and any other
+is cast to fp32 first; the projected values are fp32 either way, so the per-example products
+and sums accumulate in fp32 whatever the compute dtype (see `_project`).
 
 Memory: while collecting, SwiGLU MLPs and RMSNorms keep only their inputs for backward and
 grouped-query attention keeps no repeated key/value heads (`assay.core.lean`: the same numbers
