@@ -70,7 +70,7 @@ def run_case(case: str, path: Path, queries: int, repeats: int, chunk_mib: int =
     before = rss_mib()
     q = torch.randn(queries, dim, generator=torch.Generator().manual_seed(2))
     times, extra = [], {}
-    chunk = auto_chunk_rows(dim) if chunk_mib == 0 else max(64, (chunk_mib << 20) // (4 * dim))
+    chunk = auto_chunk_rows(dim, chunk_mib) if chunk_mib else auto_chunk_rows(dim)
     if case == "matmul":
         full = torch.from_numpy(np.array(rows, dtype=np.float32))  # the whole matrix in RAM (a copy)
         for _ in range(repeats + 1):

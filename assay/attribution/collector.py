@@ -107,12 +107,12 @@ class GradientCollector:
         self.model, self.modules, self.projector, self.policy = model, modules, projector, policy
         # True (default): a bf16 a or g is projected as it is, by a bf16 GEMM against the exact
         # ±1 signs (fp32 accumulation inside, the p-wide result rounded once to bf16, then fp32
-        # and the 1/√f scale): no full-width fp32 cast of the layer's activations. fp16 is cast
+        # and the 1/√p scale): no full-width fp32 cast of the layer's activations. fp16 is cast
         # first (loss-scaled values could overflow a p-wide fp16 result), and so is everything
         # under Adafactor (its scales, folded into P, are not exact in bf16). False: always
         # cast to fp32, then project. See docs/index-format.md for what each costs.
         adafactor = normalizer is not None and normalizer.kind == "adafactor"
-        self._signs_only = project_in_compute_dtype and not adafactor  # Adafactor scales P's columns
+        self._bf16_projection = project_in_compute_dtype and not adafactor
         self.normalizer = normalizer
         self.slots = layout(modules, projector.dim)
         self.dim = self.slots[-1].stop
@@ -184,7 +184,7 @@ class GradientCollector:
 
     def _project(self, x: torch.Tensor, mat: torch.Tensor) -> torch.Tensor:
         """[B, T, f] @ [k, f]ᵀ -> [B, T, k] fp32."""
-        if self._signs_only and x.dtype == torch.bfloat16:
+        if self._bf16_projection and x.dtype == torch.bfloat16:
             root = self.projector.dim**0.5  # P = signs / √p: the signs are exact in bf16
             return F.linear(x, (mat * root).to(x.dtype)).to(STATS_DTYPE) / root
         return F.linear(x.to(STATS_DTYPE), mat)

@@ -246,15 +246,18 @@ def stream_moment_sums(index: GradientIndex, chunk_rows: int) -> dict[str, torch
     return sums
 
 
-def auto_chunk_rows(dim: int) -> int:
-    """Rows per chunk, ~32 MiB of fp32: few file reads, thread hand-offs and top-k merges.
+CHUNK_MIB = 32
+
+
+def auto_chunk_rows(dim: int, mib: int = CHUNK_MIB) -> int:
+    """Rows per chunk, `mib` MiB of fp32: few file reads, thread hand-offs and top-k merges.
 
     Each chunk costs a fixed amount besides its rows; against 8 MiB chunks, 32 MiB ones scored
     1.2–1.4× faster for ~36 MiB more resident memory, and 64 MiB gained little more
     (`bench/bench_score.py --chunk_mib 8 32`, docs/BENCHMARKS.md). The arithmetic still runs
     on cache-sized blocks within the chunk (kernel.BLOCK_BYTES).
     """
-    return max(64, (32 << 20) // (4 * dim))
+    return max(64, (mib << 20) // (4 * dim))
 
 
 def index_cache_path(index: GradientIndex, kind: str, key: str, suffix: str) -> Path:

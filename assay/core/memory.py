@@ -37,8 +37,8 @@ def frozen_imports() -> Iterator[None]:
     """Freeze what the block imports out of Python's cyclic garbage collector.
 
     torch, transformers and datasets make millions of objects at import that live as long as
-    the process, and every full collection walks all of them again: nine times (~1.3 s) while
-    `assay build` set SmolLM2-135M up, once more (~0.9 s) at interpreter shutdown. Collection
+    the process, and every full collection walks all of them again: several times while a
+    command sets a model up, and once more at interpreter shutdown. Collection
     is paused during the imports and their objects are frozen (gc.freeze), so later
     collections walk only what the command itself makes. For whole processes only: frozen
     objects are never collected, which suits imported modules, not a caller's objects.
