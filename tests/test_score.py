@@ -168,3 +168,42 @@ def test_faiss_search_matches_exact_on_the_index(setup):
         found[search] = json.loads((out / "top.jsonl").read_text())
     assert [i for i, _ in found["faiss"]["proponents"]] == [i for i, _ in found["exact"]["proponents"]]
     assert found["faiss"]["proponents"][0][0] == NUM_TUNES  # the planted near-duplicate
+
+
+def test_fp16_index_screens_with_its_row_norms(tmp_path, monkeypatch):
+    """An fp16 index carries each stored row's norm (norms.npy); inner and cosine then screen
+    its rows with an fp16 GEMM and give the exact path's top and bottom rows, also for an index
+    without norms.npy (built before it existed: the norms are computed once and cached)."""
+    import dataclasses
+
+    import assay.attribution.kernel as kernel
+
+    if not kernel.half_gemm_is_exact_enough():
+        pytest.skip("no fp16 GEMM with fp32 accumulation on this CPU")
+    monkeypatch.setenv("ASSAY_CACHE", str(tmp_path / "cache"))
+    cfg = BuildConfig(
+        out=str(tmp_path / "index"),
+        model=ModelConfig(model=MODEL),
+        data=DataConfig(dataset="abc-tunes", max_samples=40, max_length=MAX_LENGTH),
+        runtime=RuntimeConfig(precision="fp32"),
+        store_dtype="float16",
+    )
+    run_build(cfg)
+    index = open_index(tmp_path / "index")
+    stored = np.asarray(index.gradients, dtype=np.float32)
+    assert index.row_norms is not None
+    np.testing.assert_allclose(index.row_norms, np.linalg.norm(stored, axis=1), rtol=1e-6)
+    queries = torch.from_numpy(stored[[0, 7, 19]] + 0.01 * stored[[1, 2, 3]])
+    screened = []
+    real = kernel.screened_chunk
+    monkeypatch.setattr(kernel, "screened_chunk", lambda *a: screened.append(1) or real(*a))
+    for source in (index, dataclasses.replace(index, row_norms=None)):
+        for mode in ("inner", "cosine"):
+            full = np.zeros((3, len(index)), np.float32)
+            want, _ = score_index(index, queries, mode, top_k=4, scores_out=full)  # the exact path
+            got, _ = score_index(source, queries, mode, top_k=4)
+            np.testing.assert_array_equal(got.top_rows.numpy(), want.top_rows.numpy())
+            np.testing.assert_array_equal(got.bottom_rows.numpy(), want.bottom_rows.numpy())
+            np.testing.assert_allclose(got.top_values.numpy(), want.top_values.numpy(), rtol=1e-6)
+    assert len(screened) >= 4  # both modes, with norms.npy and with the cached norms
+    assert list((tmp_path / "cache" / "row-norms").glob("*.npy"))

@@ -14,8 +14,11 @@ from assay.attribution.kernel import (
     ArrayRows,
     TensorRows,
     base_sq_norms,
+    half_gemm_is_exact_enough,
     plan_queries,
+    row_norms,
     score_rows,
+    screen_bounds,
 )
 from assay.attribution.precondition import build_whitening, second_moment_sums
 from assay.core.errors import AssayError
@@ -68,14 +71,16 @@ def _reference(train, queries, whitening, mode, aggregate):
 
 
 @pytest.mark.parametrize("aggregate", AGGREGATES)
-@pytest.mark.parametrize("mode", [*MODES, "trackstar-lowrank"])
+@pytest.mark.parametrize("mode", [*MODES, "trackstar-lowrank", "cosine-given-norms"])
 def test_chunked_equals_brute_force(data, mode, aggregate):
     train, queries, whitening = data
-    base = None
+    base = norms = None
     if mode == "trackstar-lowrank":  # ‖W t‖ from cached base norms + Woodbury, not W t itself
         mode, base = "trackstar", base_sq_norms(TensorRows(torch.from_numpy(train)), whitening, 300)
+    if mode == "cosine-given-norms":  # the index's norms.npy instead of each row's norm again
+        mode, norms = "cosine", np.linalg.norm(train, axis=1)
     ref = _reference(train, queries, whitening, mode, aggregate)
-    plan = plan_queries(torch.from_numpy(queries), mode, aggregate, whitening, base)
+    plan = plan_queries(torch.from_numpy(queries), mode, aggregate, whitening, base, norms)
     assert plan.row_norm == ("lowrank" if base is not None else plan.row_norm)
     even = whitening.slices == EVEN_SLICES
     assert (plan.stacked is not None) == (base is not None and even)  # both lowrank paths are checked
@@ -148,3 +153,119 @@ def test_truncated_index_file_is_a_clear_error(tmp_path):
     assert source.read(0, 100).shape == (100, 8)
     with pytest.raises(AssayError, match="shorter than its header says"):
         source.read(250, 300)
+
+
+# --- fp16 screening: a half-precision GEMM picks the rows, the picked rows are scored exactly ---
+needs_half_gemm = pytest.mark.skipif(
+    not half_gemm_is_exact_enough(), reason="no fp16 GEMM with fp32 accumulation on this CPU"
+)
+
+
+def _hard_fp16_rows(rng, n=3000, dim=512):
+    """fp16 rows with norms over six orders of magnitude, zero rows, near-ties and subnormals."""
+    rows = rng.normal(size=(n, dim)) * np.exp(rng.uniform(-7, 2, size=(n, 1)))
+    rows[::97] = 0.0
+    rows[1::211] = rows[2::211][: len(rows[1::211])] * (1 + 1e-4)  # near-ties
+    rows[3::301, : dim // 2] = 3e-6  # fp16 subnormals
+    return rows.astype(np.float16)
+
+
+def _queries(rng, dim=512):
+    q = rng.normal(size=(5, dim)) * np.array([[1.0], [1e-3], [1e4], [1.0], [1.0]])
+    q[3, ::3] *= 1e-7  # entries that are subnormal in fp16 after scaling to max 1
+    return torch.from_numpy(q.astype(np.float32))
+
+
+@needs_half_gemm
+@pytest.mark.parametrize("mode", ["inner", "influence", "cosine"])
+def test_screen_error_bound_holds(mode):
+    """Every approximate score lies within its bound of the fp64 score (Screen's docstring)."""
+    rng = np.random.default_rng(1)
+    queries = _queries(rng)
+    rows = _hard_fp16_rows(rng)
+    # rows whose terms all add up the queries' fp16 rounding errors: the bound's worst case
+    v = queries / queries.abs().amax(1, keepdim=True)
+    rounding = torch.sign(v.half().double() - v.double()) * v.abs()
+    rows[: len(rounding)] = (rounding / rounding.abs().amax(1, keepdim=True)).numpy().astype(np.float16)
+    norms = row_norms(TensorRows(torch.from_numpy(rows)))
+    plan = plan_queries(queries, "cosine" if mode == "cosine" else "inner", "none", row_norms=norms)
+    approx, err = screen_bounds(plan, torch.from_numpy(rows), 0)
+    t, v = rows.astype(np.float64), plan.vectors.double().numpy()
+    exact = v @ t.T
+    if mode == "cosine":
+        exact /= np.maximum(np.linalg.norm(t, axis=1), 1e-30)
+    miss = np.abs(approx.double().numpy() - exact) - err.double().numpy()
+    assert (miss <= 0).all(), f"bound exceeded by {miss.max():.3g}"
+    a = [0, 3, 4]  # the adversarial rows come within a small factor of their bound
+    assert (np.abs(approx.numpy()[a, a] - exact[a, a]) > 0.04 * err.numpy()[a, a]).all()
+    assert (err.numpy() > 0).mean() > 0.9  # a bound of zero everywhere would make this vacuous
+
+
+@needs_half_gemm
+@pytest.mark.parametrize("aggregate", AGGREGATES)
+@pytest.mark.parametrize("mode", ["inner", "cosine"])
+def test_screened_top_k_equals_exact(mode, aggregate, tmp_path):
+    """Screened and exact scoring give the same top and bottom rows, from a file and from memory,
+    while scoring exactly only a small share of the rows."""
+    rng = np.random.default_rng(2)
+    rows = _hard_fp16_rows(rng)
+    queries = _queries(rng)
+    np.save(tmp_path / "g.npy", rows)
+    norms = row_norms(TensorRows(torch.from_numpy(rows)))
+    exact_plan = plan_queries(queries, mode, aggregate)
+    plan = plan_queries(queries, mode, aggregate, row_norms=norms)
+    assert plan.screen is not None and exact_plan.screen is None
+    want = score_rows(
+        TensorRows(torch.from_numpy(rows.astype(np.float32))), exact_plan, top_k=6, chunk_rows=700
+    )
+    picked = []
+    import assay.attribution.kernel as kernel
+
+    real = kernel.screened_chunk
+
+    def counting(*args):
+        scores, positions = real(*args)
+        picked.append(len(positions))
+        return scores, positions
+
+    kernel.screened_chunk = counting
+    try:
+        for source in (
+            TensorRows(torch.from_numpy(rows)),
+            ArrayRows(np.load(tmp_path / "g.npy", mmap_mode="r")),
+        ):
+            got = score_rows(source, plan, top_k=6, chunk_rows=700)
+            np.testing.assert_array_equal(got.top_rows.numpy(), want.top_rows.numpy())
+            np.testing.assert_array_equal(got.bottom_rows.numpy(), want.bottom_rows.numpy())
+            np.testing.assert_allclose(got.top_values.numpy(), want.top_values.numpy(), rtol=1e-6)
+    finally:
+        kernel.screened_chunk = real
+    assert sum(picked) < 0.25 * 2 * len(rows)  # the point: most rows never leave the fp16 GEMM
+
+
+@needs_half_gemm
+def test_screen_falls_back_when_fp16_overflows():
+    rng = np.random.default_rng(3)
+    rows = np.clip(rng.normal(size=(500, 256)) * 2e4, -6e4, 6e4).astype(np.float16)  # sums beyond 65504
+    queries = torch.from_numpy(rng.normal(size=(2, 256)).astype(np.float32))
+    norms = row_norms(TensorRows(torch.from_numpy(rows)))
+    plan = plan_queries(queries, "inner", "none", row_norms=norms)
+    assert screen_bounds(plan, torch.from_numpy(rows), 0) is None
+    want = score_rows(
+        TensorRows(torch.from_numpy(rows.astype(np.float32))), plan_queries(queries, "inner", "none")
+    )
+    got = score_rows(TensorRows(torch.from_numpy(rows)), plan)
+    np.testing.assert_array_equal(got.top_rows.numpy(), want.top_rows.numpy())
+
+
+def test_no_screen_where_it_does_not_apply(data, monkeypatch):
+    """Trackstar (whitened norms), saved scores and CPUs without an exact-enough fp16 GEMM
+    take the exact path."""
+    train, queries, whitening = data
+    q = torch.from_numpy(queries)
+    norms = row_norms(TensorRows(torch.from_numpy(train)))
+    assert plan_queries(q, "trackstar", "none", whitening, row_norms=norms).screen is None
+    import assay.attribution.kernel as kernel
+
+    monkeypatch.setitem(kernel._HALF_GEMM, "ok", False)
+    assert plan_queries(q, "inner", "none", row_norms=norms).screen is None

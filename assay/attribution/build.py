@@ -269,7 +269,7 @@ def _normalizer(cfg, folder: Path, model, modules, examples, policy, pad_id) -> 
 def _open_arrays(folder: Path, n: int, dim: int, store_dtype: str) -> tuple[list[Any], bool]:
     """The row memmaps, reopened for resuming, or created empty (then `fresh` is True)."""
     specs = [(ix.GRADIENTS_FILE, (n, dim), store_dtype), (ix.LOSSES_FILE, (n,), "float32")]
-    specs.append((ix.TOKENS_FILE, (n,), "int64"))
+    specs += [(ix.TOKENS_FILE, (n,), "int64"), (ix.NORMS_FILE, (n,), "float32")]
     arrays, fresh = [], False
     for name, shape, dtype in specs:
         path = folder / name
@@ -291,7 +291,8 @@ def write_rows(setup: GradientSetup, examples: Examples, folder: Path, cfg: Buil
     dim = setup.collector().dim
     dist = Distributed.current()
     with dist.main_first():  # rank 0 creates (or checks) the memmaps; the others open them
-        (grads_out, losses_out, tokens_out), fresh = _open_arrays(folder, len(examples), dim, cfg.store_dtype)
+        arrays, fresh = _open_arrays(folder, len(examples), dim, cfg.store_dtype)
+    grads_out, losses_out, tokens_out, norms_out = arrays
     fresh = bool(dist.broadcast_object(fresh))
     # Each rank takes every world-th batch (length-sorted, so shares are balanced) and writes
     # its own rows. Every rank runs the same number of batches (a short share repeats a batch
@@ -312,10 +313,12 @@ def write_rows(setup: GradientSetup, examples: Examples, folder: Path, cfg: Buil
             iter_gradients(setup, examples, todo), done + 1
         ):
             if batches[k - 1] is not None:
-                grads_out[positions] = _to_store(grads, cfg.store_dtype)
+                stored = _to_store(grads, cfg.store_dtype)
+                grads_out[positions] = stored
+                norms_out[positions] = np.linalg.norm(stored.astype(np.float32, copy=False), axis=1)
                 losses_out[positions] = losses.cpu().numpy()
                 tokens_out[positions] = loss_tokens[positions]
-                for arr in (grads_out, losses_out, tokens_out):
+                for arr in arrays:
                     arr.flush()  # type: ignore[attr-defined]
                 bar.update(len(positions), int(batch["attention_mask"].sum()))
             write_json(progress, {"batches_done": k, "num_batches": len(batches)})

@@ -4,6 +4,7 @@ Layout of an index folder (see docs/index-format.md):
     index.json                 metadata (modules and their column slices, projection, precision, ...)
     gradients.npy              [N, D] store dtype, row i = example ids[i]
     ids.npy / losses.npy / tokens.npy   [N] int64 / float32 / int64
+    norms.npy                  [N] float32 L2 norm of each stored row (indexes built since it exists)
     normalizer.safetensors     optional, fp32
     preconditioner.safetensors optional, fp32 sums of g gᵀ per module + "__count__"
 """
@@ -25,6 +26,7 @@ GRADIENTS_FILE = "gradients.npy"
 IDS_FILE = "ids.npy"
 LOSSES_FILE = "losses.npy"
 TOKENS_FILE = "tokens.npy"
+NORMS_FILE = "norms.npy"
 NORMALIZER_FILE = "normalizer.safetensors"
 PRECONDITIONER_FILE = "preconditioner.safetensors"
 FORMAT_VERSION = 1
@@ -41,6 +43,7 @@ class GradientIndex:
     losses: np.ndarray  # [N] float32 summed loss
     token_counts: np.ndarray  # [N] int64 loss-carrying tokens
     meta: dict[str, Any]
+    row_norms: np.ndarray | None = None  # [N] float32 ‖stored row‖ (None: an index from before norms.npy)
 
     def __len__(self) -> int:
         return int(self.gradients.shape[0])
@@ -100,8 +103,11 @@ def open_index(path: Path | str) -> GradientIndex:
         ids = np.load(path / IDS_FILE, allow_pickle=False)
         losses = np.load(path / LOSSES_FILE, allow_pickle=False)
         tokens = np.load(path / TOKENS_FILE, allow_pickle=False)
+        norms = np.load(path / NORMS_FILE, allow_pickle=False) if (path / NORMS_FILE).exists() else None
     except (FileNotFoundError, ValueError) as e:
         raise AssayError(f"{path} is a damaged index: {e}") from None
     if grads.shape != (meta["num_examples"], meta["dim"]) or len(ids) != grads.shape[0]:
         raise AssayError(f"{path} is a damaged index: shapes disagree with {META_FILE}")
-    return GradientIndex(path, grads, module_slices(meta), ids, losses, tokens, meta)
+    if norms is not None and norms.shape != (len(ids),):
+        raise AssayError(f"{path} is a damaged index: {NORMS_FILE} has {norms.shape}, not ({len(ids)},)")
+    return GradientIndex(path, grads, module_slices(meta), ids, losses, tokens, meta, norms)

@@ -7,18 +7,22 @@ queries and each row needs only its norm ‖W t‖ besides the GEMM (from a per-
 small per-module product; see `LowRank`).
 
 Why it is fast: scoring a few queries is memory-bound, so every row should cross the memory bus
-once. A chunk (~32 MiB) is read from the file with plain reads (resident memory stays bounded
-whatever N is; the OS page cache does the rest), then cast to fp32 and scored in blocks of
-~1 MiB that stay in the core's cache between the cast, the GEMM and the norms. Chunks are
-spread over worker threads, one per core, each running single-threaded torch: a few large
-operations per chunk instead of many small multi-threaded ones whose synchronisation would
-cost more than their arithmetic.
+once. A chunk (~32 MiB of fp32) is used where the page cache holds it: its pages are mapped in
+one call and unmapped when the chunk is done (`FileWindows`; resident memory stays bounded
+whatever N is, and no copy is made). It is then scored in blocks of ~1 MiB of fp32 that stay in
+the core's cache between the cast, the GEMM and the norms — or, for fp16 rows in inner,
+influence and cosine, screened whole by an fp16 GEMM with a proven error bound, only the rows
+that may reach the top k being scored again exactly (`Screen`): a stored number is then read
+once, as fp16. Chunks are spread over worker threads, one per core, each running
+single-threaded torch: a few large operations per chunk instead of many small multi-threaded
+ones whose synchronisation would cost more than their arithmetic.
 """
 
 from __future__ import annotations
 
 import contextlib
 import mmap
+import os
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -65,8 +69,10 @@ class RowSource(Protocol):
 class ArrayRows:
     """Rows of a numpy array or memmap (fp16, fp32 or fp64).
 
-    A memmap is read with file reads into reused buffers, so resident memory stays at a few
-    chunks however large the file is.
+    A memmap over a whole file is read through its own private mapping of the file, one window
+    of rows per buffer slot: the window's pages are mapped in one call when it is read and
+    unmapped when its slot is read again, so resident memory stays at a few chunks however
+    large the file is, and the rows are used where the page cache holds them (no copy).
     """
 
     def __init__(self, array: np.ndarray):
@@ -77,19 +83,17 @@ class ArrayRows:
         self.array = array
         self.num_rows, self.dim = (int(s) for s in array.shape)
         self._file = _backing_file(array)
+        self._map: FileWindows | None = None
+        if self._file is not None:
+            self._map = FileWindows(*self._file, array.dtype, self.num_rows * self.dim)
         self._slots: dict[int, np.ndarray] = {}
 
     def read_raw(self, start: int, stop: int, slot: int = 0) -> torch.Tensor:
+        if self._map is not None:
+            return self._map.rows(start * self.dim, stop * self.dim, slot).view(stop - start, self.dim)
         n = stop - start
         raw = self._buffer(slot, n)[:n]
-        if self._file is None:
-            raw[:] = self.array[start:stop]
-        else:
-            path, offset = self._file
-            with open(path, "rb", buffering=0) as f:
-                f.seek(offset + start * self.dim * self.array.itemsize)
-                if f.readinto(raw.data.cast("B")) != raw.nbytes:
-                    raise AssayError(f"{path} is shorter than its header says: a damaged index")
+        raw[:] = self.array[start:stop]
         return torch.from_numpy(raw)
 
     def read(self, start: int, stop: int, slot: int = 0) -> torch.Tensor:
@@ -101,6 +105,53 @@ class ArrayRows:
         if have is None or have.shape[0] < n:
             have = self._slots[slot] = np.empty((n, self.dim), self.array.dtype)
         return have
+
+
+MADV_POPULATE_READ = 22  # Linux ≥ 5.14; Python's mmap module does not name it
+
+
+class FileWindows:
+    """Windows of a file's elements through one private, read-only-in-use mapping.
+
+    `rows(a, b, slot)` maps elements a..b with one madvise (instead of a page fault per 4 KiB)
+    and drops the window the slot held before (its pages stay in the page cache). The mapping
+    is copy-on-write so that torch accepts it as writable memory; nothing writes to it.
+    """
+
+    def __init__(self, path: str, offset: int, dtype: np.dtype, count: int):
+        self.path, self.offset, self.itemsize = path, offset, np.dtype(dtype).itemsize
+        self.dtype = torch.from_numpy(np.empty(0, dtype)).dtype
+        self.file = open(path, "rb")  # noqa: SIM115 (kept for the mapping's lifetime: size checks)
+        self._check_size(offset + count * self.itemsize)
+        self.map = mmap.mmap(self.file.fileno(), 0, access=mmap.ACCESS_COPY)
+        self.windows: dict[int, tuple[int, int]] = {}
+        self.populate = True
+
+    def rows(self, a: int, b: int, slot: int) -> torch.Tensor:
+        """Elements a..b as a 1-d tensor over the mapping (valid until the slot is read again)."""
+        if b <= a:
+            return torch.empty(0, dtype=self.dtype)
+        if slot in self.windows:
+            self._advise(mmap.MADV_DONTNEED, *self.windows.pop(slot))
+        lo = (self.offset + a * self.itemsize) // mmap.PAGESIZE * mmap.PAGESIZE
+        hi = self.offset + b * self.itemsize
+        self._check_size(hi)  # a page past the end of a mapped file would kill the process (SIGBUS)
+        if self.populate:
+            try:
+                self.map.madvise(MADV_POPULATE_READ, lo, hi - lo)
+            except OSError:  # an older kernel: pages fault in as they are read
+                self.populate = False
+        self.windows[slot] = (lo, hi)
+        first = self.offset + a * self.itemsize
+        return torch.frombuffer(self.map, dtype=self.dtype, count=b - a, offset=first)
+
+    def _check_size(self, end: int) -> None:
+        if os.fstat(self.file.fileno()).st_size < end:
+            raise AssayError(f"{self.path} is shorter than its header says: a damaged index")
+
+    def _advise(self, advice: int, lo: int, hi: int) -> None:
+        if hi > lo:
+            self.map.madvise(advice, lo, hi - lo)
 
 
 def _backing_file(array: np.ndarray) -> tuple[str, int] | None:
@@ -142,6 +193,8 @@ class QueryPlan:
     reduce_max: bool
     base_norms: torch.Tensor | None = None  # [N] fp64 ‖(R_train + δI)^{-1/2} t‖² ("lowrank")
     stacked: StackedModules | None = None  # "lowrank" with equal-width modules: one bmm per block
+    screen: Screen | None = None  # fp16 rows: a half-precision GEMM picks the rows to score exactly
+    row_norms: torch.Tensor | None = None  # [N] fp32 ‖t‖ of every row (norms.npy): cosine, Screen
 
 
 @dataclass
@@ -157,6 +210,58 @@ class StackedModules:
     weights: torch.Tensor  # [M, A+Q, d] fp32
 
 
+@dataclass
+class Screen:
+    """Scores of fp16 rows from one fp16 GEMM, each within a proven error bound.
+
+    Scoring streams the index once and is memory-bound; fp16 rows cast to fp32 before the GEMM
+    cost a second pass. Instead `V/s` (each query row scaled to max |entry| 1) is rounded to
+    fp16 and multiplied with the rows by a half-precision GEMM (fp32 accumulation, fp16
+    result). For entry (a, r) the approximation differs from the fp32 score by at most
+
+        2·(2⁻¹¹ + D·2⁻²⁴)·‖v_a‖·‖t_r‖  +  2·s_a·2⁻²⁵·(√D·‖t_r‖ + 1)  +  2⁻¹⁰·|approx|
+
+    (rounding V to fp16, normal and subnormal; fp32 accumulation; the fp16 result; each
+    doubled). Per chunk, only rows whose bounds reach that chunk's k-th best are scored again
+    exactly: every row of the true top (and bottom) k is among them, so the result is the exact
+    path's. Needs each row's ‖t_r‖ (the plan's `row_norms`: the index's norms.npy).
+    """
+
+    half: torch.Tensor  # [A, D] fp16: V / s
+    scale: torch.Tensor  # [A] fp32: s
+    linear: torch.Tensor  # [A] fp32: the bound's coefficient of ‖t_r‖
+    flat: torch.Tensor  # [A] fp32: the bound's constant for nonzero rows
+
+    @staticmethod
+    def of(vectors: torch.Tensor) -> Screen:
+        dim = vectors.shape[1]
+        scale = vectors.abs().amax(dim=1).clamp_min(EPS)
+        rel = 2.0**-11 + dim * 2.0**-24
+        linear = 2 * rel * torch.linalg.vector_norm(vectors, dim=1) + 2 * scale * 2.0**-25 * dim**0.5
+        half = (vectors / scale[:, None]).half()
+        return Screen(half, scale, linear, 2 * scale * 2.0**-25)
+
+
+_HALF_GEMM: dict[str, bool] = {}
+
+
+def half_gemm_is_exact_enough() -> bool:
+    """Whether this CPU's fp16 GEMM accumulates in fp32 and is fast (oneDNN with AVX512-FP16 or
+    AMX-FP16): checked once against an fp64 product with cancellation; otherwise rows are cast."""
+    if "ok" not in _HALF_GEMM:
+        ok = torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+        if ok:
+            gen = torch.Generator().manual_seed(0)
+            a = torch.randn(4, 4096, generator=gen).half()
+            b = torch.randn(512, 4096, generator=gen).half()
+            b[:, ::2] *= 64  # large terms that cancel: fp16 accumulation would show
+            exact = a.double() @ b.double().T
+            err = ((a @ b.T).double() - exact).abs() - 2.0**-11 * exact.abs()
+            ok = bool((err <= 4096 * 2.0**-24 * (a.double().abs() @ b.double().abs().T)).all())
+        _HALF_GEMM["ok"] = ok
+    return _HALF_GEMM["ok"]
+
+
 def unit_rows(x: torch.Tensor) -> torch.Tensor:
     """Rows scaled to unit L2 norm (zero rows stay zero)."""
     return x / x.norm(dim=1, keepdim=True).clamp_min(EPS)
@@ -168,12 +273,15 @@ def plan_queries(
     aggregate: str,
     whitening: Whitening | None = None,
     base_norms: np.ndarray | None = None,
+    row_norms: np.ndarray | None = None,
 ) -> QueryPlan:
     """Transform query gradients [Q, D] once for `mode`, then aggregate them.
 
     With `base_norms` (trackstar; see `base_sq_norms`) each row's ‖W t‖ comes from the
     Woodbury form instead of a d×d matmul per module: the chunk costs a GEMM with Q more
-    columns instead of D·d multiply-adds per row.
+    columns instead of D·d multiply-adds per row. With `row_norms` ([N] ‖t‖, see `row_norms`)
+    inner, influence and cosine plans screen fp16 rows (see `Screen`), and cosine divides by
+    them instead of computing each row's norm again.
     """
     if queries.ndim != 2 or queries.shape[0] == 0:
         raise AssayError("no queries to score: the query set is empty")
@@ -201,7 +309,11 @@ def plan_queries(
         norm, base = "lowrank", torch.from_numpy(np.asarray(base_norms, dtype=np.float64))
     keep = whitening if norm in ("whitened", "lowrank") else None
     stacked = stack_modules(v, whitening) if norm == "lowrank" else None
-    return QueryPlan(v.contiguous(), norm, keep, aggregate == "max", base, stacked)
+    norms = None if row_norms is None else torch.from_numpy(np.asarray(row_norms, dtype=np.float32))
+    screen = None
+    if norms is not None and norm in ("none", "raw") and half_gemm_is_exact_enough():
+        screen = Screen.of(v)
+    return QueryPlan(v.contiguous(), norm, keep, aggregate == "max", base, stacked, screen, norms)
 
 
 def stack_modules(vectors: torch.Tensor, whitening: Whitening | None) -> StackedModules | None:
@@ -249,6 +361,51 @@ def chunk_scores(plan: QueryPlan, rows: torch.Tensor, start: int = 0) -> torch.T
     return out
 
 
+def screened_chunk(
+    plan: QueryPlan, rows: torch.Tensor, start: int, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(exact scores [A, m], row positions [m]) of the fp16 chunk rows [C, D] that may be among
+    the chunk's top or bottom `top_k` (see `Screen`); every row if the fp16 GEMM overflows."""
+    bounds = screen_bounds(plan, rows, start)
+    if bounds is None:
+        return chunk_scores(plan, rows, start), torch.arange(start, start + rows.shape[0])
+    approx, err = bounds
+    upper, lower = approx + err, approx - err
+    if plan.reduce_max:
+        upper, lower = upper.amax(0, keepdim=True), lower.amax(0, keepdim=True)
+    k = min(top_k, rows.shape[0])
+    top_cut = lower.topk(k, dim=1).values[:, -1:]  # k rows score at least this
+    bottom_cut = upper.topk(k, dim=1, largest=False).values[:, -1:]
+    picked = ((upper >= top_cut) | (lower <= bottom_cut)).any(0).nonzero().squeeze(1)
+    exact = plan.vectors @ rows[picked].float().T
+    if plan.row_norm == "raw":
+        assert plan.row_norms is not None
+        exact /= plan.row_norms[picked + start].clamp_min(EPS)
+    if plan.reduce_max:
+        exact = exact.amax(0, keepdim=True)
+    return exact, picked + start
+
+
+def screen_bounds(
+    plan: QueryPlan, rows: torch.Tensor, start: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(approximate scores [A, C], their error bounds [A, C]) of fp16 rows from one fp16 GEMM,
+    or None when it overflowed fp16's range (see `Screen`)."""
+    sc = plan.screen
+    assert sc is not None and plan.row_norms is not None
+    approx = (sc.half @ rows.T).float()  # [A, C]
+    if not bool(torch.isfinite(approx).all()):
+        return None
+    approx *= sc.scale[:, None]
+    norms = plan.row_norms[start : start + rows.shape[0]]
+    err = sc.linear[:, None] * norms + sc.flat[:, None] * (norms > 0) + 2.0**-10 * approx.abs()
+    if plan.row_norm == "raw":  # cosine
+        inv = 1 / norms.clamp_min(EPS)
+        approx *= inv
+        err *= inv
+    return approx, err
+
+
 _thread_scratch = threading.local()
 
 
@@ -266,7 +423,8 @@ def block_scores(plan: QueryPlan, rows: torch.Tensor, start: int) -> torch.Tenso
         return stacked_scores(plan, rows, start)
     scores = plan.vectors @ rows.T  # [A, c]: this orientation measured faster than rows @ V.T here
     if plan.row_norm == "raw":
-        scores /= torch.linalg.vector_norm(rows, dim=1).clamp_min(EPS)
+        given = None if plan.row_norms is None else plan.row_norms[start : start + rows.shape[0]]
+        scores /= (torch.linalg.vector_norm(rows, dim=1) if given is None else given).clamp_min(EPS)
     elif plan.row_norm == "whitened":
         assert plan.whitening is not None
         scores /= plan.whitening.sq_norms(rows).sqrt().clamp_min(EPS)
@@ -308,16 +466,16 @@ class RunningTop:
         self.top = (empty, empty.long())
         self.bottom = (empty, empty.long())
 
-    def update(self, scores: torch.Tensor, start: int) -> None:
-        """`scores` [A, C] of rows start..start+C."""
-        self.top = self._merge(self.top, scores, start, largest=True)
-        self.bottom = self._merge(self.bottom, scores, start, largest=False)
+    def update(self, scores: torch.Tensor, start: int, positions: torch.Tensor | None = None) -> None:
+        """`scores` [A, C] of rows start..start+C, or of the rows at `positions` [C]."""
+        self.top = self._merge(self.top, scores, start, positions, largest=True)
+        self.bottom = self._merge(self.bottom, scores, start, positions, largest=False)
 
-    def _merge(self, best, scores, start, largest):
+    def _merge(self, best, scores, start, positions, largest):
         k = min(self.k, scores.shape[1])
         vals, idx = scores.topk(k, dim=1, largest=largest, sorted=False)
         vals = torch.cat([best[0], vals], dim=1)
-        rows = torch.cat([best[1], idx + start], dim=1)
+        rows = torch.cat([best[1], idx + start if positions is None else positions[idx]], dim=1)
         keep = vals.topk(min(self.k, vals.shape[1]), dim=1, largest=largest, sorted=True).indices
         return vals.gather(1, keep), rows.gather(1, keep)
 
@@ -336,7 +494,8 @@ def score_rows(
 ) -> TopRows:
     """Score every row of `source` against the planned queries; keep the top/bottom k.
 
-    `scores_out` (optional, e.g. a .npy memmap [A, N] float32) receives every score.
+    `scores_out` (optional, e.g. a .npy memmap [A, N] float32) receives every score; without
+    it, a plan with a `Screen` scores fp16 rows exactly only where they may reach the top k.
     `on_chunk(rows_done)` is called after each chunk (progress bars). Chunks are read and scored
     on `workers` threads (0: torch's thread count) and merged in row order, so the result does
     not depend on the number of workers.
@@ -353,17 +512,22 @@ def score_rows(
     depth = workers + 1  # chunks in flight: every worker busy while the oldest is merged
     device = plan.vectors.device
 
-    def score(start: int, stop: int, slot: int) -> torch.Tensor:
-        return chunk_scores(plan, source.read_raw(start, stop, slot).to(device), start)
+    screen = plan.screen is not None and scores_out is None
+
+    def score(start: int, stop: int, slot: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        rows = source.read_raw(start, stop, slot).to(device)
+        if screen and rows.dtype == torch.float16:
+            return screened_chunk(plan, rows, start, top_k)
+        return chunk_scores(plan, rows, start), None
 
     spans = [(a, min(a + chunk_rows, source.num_rows)) for a in range(0, source.num_rows, max(chunk_rows, 1))]
     with single_threaded_torch(workers) as pool:
         pending = deque(pool.submit(score, *span, i % depth) for i, span in enumerate(spans[:depth]))
         for i, (start, stop) in enumerate(spans):
-            scores = pending.popleft().result()
+            scores, positions = pending.popleft().result()
             if i + depth < len(spans):  # its slot's previous chunk has been scored
                 pending.append(pool.submit(score, *spans[i + depth], (i + depth) % depth))
-            running.update(scores, start)
+            running.update(scores, start, positions)
             if scores_out is not None:
                 scores_out[:, start:stop] = scores.cpu().numpy()
             if on_chunk is not None:
@@ -398,4 +562,13 @@ def base_sq_norms(source: RowSource, whitening: Whitening, chunk_rows: int = 102
         for name, m in mats.items():
             total += ((rows[:, whitening.slices[name]] @ m) ** 2).sum(1)
         out[start:stop] = total.numpy()
+    return out
+
+
+def row_norms(source: RowSource, chunk_rows: int = 8192) -> np.ndarray:
+    """[N] fp32 ‖t‖ of every row (what a `Screen` bounds its error with)."""
+    out = np.zeros(source.num_rows, dtype=np.float32)
+    for start in range(0, source.num_rows, chunk_rows):
+        stop = min(start + chunk_rows, source.num_rows)
+        out[start:stop] = torch.linalg.vector_norm(source.read(start, stop), dim=1).numpy()
     return out

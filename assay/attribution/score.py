@@ -29,7 +29,9 @@ from assay.attribution.kernel import (
     Mode,
     TopRows,
     base_sq_norms,
+    half_gemm_is_exact_enough,
     plan_queries,
+    row_norms,
     score_rows,
 )
 from assay.attribution.precondition import MIX_FRACTION, Whitening, build_whitening, second_moment_sums
@@ -97,8 +99,10 @@ class ScoreConfig:
     faiss_probe: int = 16
     """Lists searched per query (more: closer to exact, slower)."""
     cache_norms: bool = True
-    """trackstar with few queries: cache each index row's whitened norm under the training
-    statistics (in the assay cache), so later runs stream the index at memory speed."""
+    """Cache per-row numbers the fast paths need (in the assay cache), computed on first use:
+    trackstar with few queries, each row's whitened norm under the training statistics; inner,
+    influence and cosine on an fp16 index without norms.npy (built before it existed), each
+    row's norm."""
     token_batch_size: int = 2048
     """Most tokens per batch when computing the query gradients."""
     device: str = "auto"
@@ -276,21 +280,47 @@ def cached_base_norms(index: GradientIndex, whitening: Whitening, chunk_rows: in
     model, the statistics and the damping. Without a writable cache it is computed each time.
     """
     assert whitening.lowrank is not None
-    path = index_cache_path(index, "score-norms", whitening.lowrank.key, ".npy")
+    source = ArrayRows(index.gradients)
+    return _cached_per_row(
+        index, "score-norms", whitening.lowrank.key, "each index row's whitened norm",
+        lambda: base_sq_norms(source, whitening, chunk_rows),
+    )  # fmt: skip
+
+
+def index_row_norms(index: GradientIndex, mode: str, cache: bool, chunk_rows: int) -> np.ndarray | None:
+    """[N] ‖t‖ per row where a mode uses them: cosine divides by them, and inner, influence and
+    cosine screen an fp16 index's rows with them (kernel.Screen). From the index's norms.npy;
+    for an index built before it, computed once and cached when screening needs them."""
+    screens = index.gradients.dtype == np.float16 and half_gemm_is_exact_enough()
+    if mode not in ("inner", "influence", "cosine") or (mode != "cosine" and not screens):
+        return None
+    if index.row_norms is not None:
+        return index.row_norms
+    if not (cache and screens):
+        return None  # cosine computes each row's norm as it goes
+    source = ArrayRows(index.gradients)
+    return _cached_per_row(
+        index, "row-norms", "l2", "each index row's norm", lambda: row_norms(source, chunk_rows)
+    )
+
+
+def _cached_per_row(index: GradientIndex, kind: str, key: str, what: str, compute: Any) -> np.ndarray:
+    """An [N] array about the index's rows, from the assay cache or computed and cached."""
+    path = index_cache_path(index, kind, key, ".npy")
     if path.exists():
         cached = np.load(path, allow_pickle=False)
         if cached.shape == (len(index),):
             return cached
-    note("computing each index row's whitened norm once (cached for later runs with this damping)")
-    norms = base_sq_norms(ArrayRows(index.gradients), whitening, chunk_rows)
+    note(f"computing {what} once (cached for later runs)")
+    values = compute()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp.npy")
-        np.save(tmp, norms)
+        np.save(tmp, values)
         os.replace(tmp, path)
     except OSError as e:
-        note(f"could not cache the row norms ({e}); they will be recomputed next time")
-    return norms
+        note(f"could not cache {what} ({e}); it will be recomputed next time")
+    return values
 
 
 def faiss_top(
@@ -326,6 +356,8 @@ def score_index(
 
     trackstar with few queries (Q ≤ d_m/4) and `cache_norms` takes each row's ‖W t‖ from the
     Woodbury form and a per-index cache, so the pass over the index is a plain streamed GEMM.
+    inner, influence and cosine on an fp16 index (without `scores_out`) screen the rows with a
+    half-precision GEMM and score exactly only those that may reach the top k (kernel.Screen).
     """
     if queries.shape[-1] != index.dim:
         raise AssayError(f"query gradients have {queries.shape[-1]} dimensions, the index {index.dim}")
@@ -336,7 +368,8 @@ def score_index(
     if mode == "trackstar" and cache_norms and whitening is not None and whitening.lowrank is not None:
         if 4 * queries.shape[0] <= smallest:
             base = cached_base_norms(index, whitening, chunk_rows)
-    plan = plan_queries(queries, mode, aggregate, whitening, base)
+    norms = index_row_norms(index, mode, cache_norms, chunk_rows)
+    plan = plan_queries(queries, mode, aggregate, whitening, base, norms)
     from tqdm.auto import tqdm
 
     with tqdm(total=len(index), desc="score", unit="row", unit_scale=True, mininterval=1.0) as bar:
