@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import mmap
-import os
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -121,9 +120,9 @@ class FileWindows:
     def __init__(self, path: str, offset: int, dtype: np.dtype, count: int):
         self.path, self.offset, self.itemsize = path, offset, np.dtype(dtype).itemsize
         self.dtype = torch.from_numpy(np.empty(0, dtype)).dtype
-        self.file = open(path, "rb")  # noqa: SIM115 (kept for the mapping's lifetime: size checks)
+        with open(path, "rb") as f:
+            self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         self._check_size(offset + count * self.itemsize)
-        self.map = mmap.mmap(self.file.fileno(), 0, access=mmap.ACCESS_COPY)
         self.windows: dict[int, tuple[int, int]] = {}
         self.populate = True
 
@@ -146,7 +145,7 @@ class FileWindows:
         return torch.frombuffer(self.map, dtype=self.dtype, count=b - a, offset=first)
 
     def _check_size(self, end: int) -> None:
-        if os.fstat(self.file.fileno()).st_size < end:
+        if self.map.size() < end:  # the file's size now (the mapping keeps its own descriptor)
             raise AssayError(f"{self.path} is shorter than its header says: a damaged index")
 
     def _advise(self, advice: int, lo: int, hi: int) -> None:
