@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import threading
+import warnings
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -110,19 +111,23 @@ MADV_POPULATE_READ = 22  # Linux ≥ 5.14; Python's mmap module does not name it
 
 
 class FileWindows:
-    """Windows of a file's elements through one private, read-only-in-use mapping.
+    """Windows of a file's elements through one read-only mapping of the whole file.
 
     `rows(a, b, slot)` maps elements a..b with one madvise (instead of a page fault per 4 KiB)
-    and drops the window the slot held before (its pages stay in the page cache). The mapping
-    is copy-on-write so that torch accepts it as writable memory; nothing writes to it.
+    and drops the window the slot held before (its pages stay in the page cache). A read-only
+    shared mapping costs no committed memory however large the file (a private writable one
+    would, under strict overcommit); torch's tensors over it are never written.
     """
 
     def __init__(self, path: str, offset: int, dtype: np.dtype, count: int):
         self.path, self.offset, self.itemsize = path, offset, np.dtype(dtype).itemsize
         self.dtype = torch.from_numpy(np.empty(0, dtype)).dtype
         with open(path, "rb") as f:
-            self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         self._check_size(offset + count * self.itemsize)
+        with warnings.catch_warnings():  # torch warns once per process that the memory is read-only
+            warnings.simplefilter("ignore", UserWarning)
+            torch.frombuffer(self.map, dtype=torch.uint8, count=1)
         self.windows: dict[int, tuple[int, int]] = {}
         self.populate = True
 
@@ -138,7 +143,7 @@ class FileWindows:
         if self.populate:
             try:
                 self.map.madvise(MADV_POPULATE_READ, lo, hi - lo)
-            except OSError:  # an older kernel: pages fault in as they are read
+            except (OSError, AttributeError):  # an older kernel (or no madvise): pages fault in as read
                 self.populate = False
         self.windows[slot] = (lo, hi)
         first = self.offset + a * self.itemsize
@@ -149,7 +154,7 @@ class FileWindows:
             raise AssayError(f"{self.path} is shorter than its header says: a damaged index")
 
     def _advise(self, advice: int, lo: int, hi: int) -> None:
-        if hi > lo:
+        if hi > lo and hasattr(self.map, "madvise"):
             self.map.madvise(advice, lo, hi - lo)
 
 
