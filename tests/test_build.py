@@ -49,6 +49,10 @@ def test_index_format_and_api(tmp_path, tiny_model_dir, texts_jsonl, capsys):
     again = collect(setup, examples, token_batch_size=64)
     np.testing.assert_allclose(np.asarray(index.gradients), again, rtol=1e-5, atol=1e-6)
     assert np.all(index.token_counts == examples.num_loss_tokens()) and np.all(index.losses > 0)
+    assert index.row_norms is not None and index.row_norms.dtype == np.float32
+    np.testing.assert_allclose(
+        index.row_norms, np.linalg.norm(np.asarray(index.gradients), axis=1), rtol=1e-6
+    )
     # preconditioner statistics: fp32 sums of g gᵀ over the (whole, here) sample
     sums, count = index.preconditioner_stats()
     assert count == 6
@@ -95,6 +99,7 @@ def test_resume_after_kill_equals_uninterrupted(tmp_path, tiny_model_dir, many_j
     assert json.loads((cut / "run.json").read_text())
     np.testing.assert_array_equal(_rows(cut), _rows(whole))
     np.testing.assert_array_equal(assay.open_index(cut).losses, assay.open_index(whole).losses)
+    np.testing.assert_array_equal(assay.open_index(cut).row_norms, assay.open_index(whole).row_norms)
 
 
 def test_token_batch_size_invariance(tmp_path, tiny_model_dir, many_jsonl):

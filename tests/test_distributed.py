@@ -128,6 +128,7 @@ def test_build_two_processes_equal_one(built):
     assert not np.any(np.all(np.asarray(two.gradients) == 0, axis=1))  # every row was written
     np.testing.assert_allclose(two.gradients, one.gradients, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(two.losses, one.losses, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(two.row_norms, one.row_norms, rtol=1e-5)  # each rank wrote its rows' norms
     for key, value in one.normalizer_tensors().items():
         torch.testing.assert_close(two.normalizer_tensors()[key], value, rtol=0, atol=0)
     (s1, c1), (s2, c2) = one.preconditioner_stats(), two.preconditioner_stats()
