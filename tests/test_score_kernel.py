@@ -189,16 +189,16 @@ def test_screen_error_bound_holds(mode):
     rows[: len(rounding)] = (rounding / rounding.abs().amax(1, keepdim=True)).numpy().astype(np.float16)
     norms = row_norms(TensorRows(torch.from_numpy(rows)))
     plan = plan_queries(queries, "cosine" if mode == "cosine" else "inner", "none", row_norms=norms)
-    lower, upper = (b.double().numpy() for b in screen_bounds(plan, torch.from_numpy(rows), 0))
+    approx, err = screen_bounds(plan, torch.from_numpy(rows), 0)
     t, v = rows.astype(np.float64), plan.vectors.double().numpy()
     exact = v @ t.T
     if mode == "cosine":
         exact /= np.maximum(np.linalg.norm(t, axis=1), 1e-30)
-    assert (lower <= exact).all() and (exact <= upper).all()
-    approx, err = (upper + lower) / 2, (upper - lower) / 2
+    miss = np.abs(approx.double().numpy() - exact) - err.double().numpy()
+    assert (miss <= 0).all(), f"bound exceeded by {miss.max():.3g}"
     a = [0, 3, 4]  # the adversarial rows come within a small factor of their bound
-    assert (np.abs(approx[a, a] - exact[a, a]) > 0.04 * err[a, a]).all()
-    assert (err > 0).mean() > 0.9  # a bound of zero everywhere would make this vacuous
+    assert (np.abs(approx.numpy()[a, a] - exact[a, a]) > 0.04 * err.numpy()[a, a]).all()
+    assert (err.numpy() > 0).mean() > 0.9  # a bound of zero everywhere would make this vacuous
 
 
 @needs_half_gemm
@@ -269,57 +269,3 @@ def test_no_screen_where_it_does_not_apply(data, monkeypatch):
 
     monkeypatch.setitem(kernel._HALF_GEMM, "ok", False)
     assert plan_queries(q, "inner", "none", row_norms=norms).screen is None
-
-
-def _trackstar_case(rng, n=3000, modules=8, width=32, queries=3):
-    """fp16 rows and a low-rank, stacked TrackStar plan over equal-width modules, with rows that
-    nearly copy a query (where ‖W t‖²'s two terms cancel), zero rows and tiny rows."""
-    dim = modules * width
-    mix = rng.normal(size=(dim, dim)) / dim**0.5
-    rows = (rng.normal(size=(n, dim)) @ mix) * np.exp(rng.uniform(-4, 1, size=(n, 1)))
-    q = rng.normal(size=(queries, dim)) @ mix
-    rows[5], rows[6], rows[7] = q[0] * 1.0001, q[1] * 3 + 0.1 * rows[6], -q[2]  # near-copies, an opposite
-    rows[::211] = 0.0
-    rows = rows.astype(np.float16)
-    slices = {f"m{i}": slice(i * width, (i + 1) * width) for i in range(modules)}
-    t = torch.from_numpy(rows.astype(np.float32))
-    whitening = build_whitening(
-        second_moment_sums(t, slices), n, torch.from_numpy(q.astype(np.float32)), slices, None, 0.1
-    )
-    base = base_sq_norms(TensorRows(t), whitening, 1000)
-    return rows, torch.from_numpy(q.astype(np.float32)), whitening, base
-
-
-@needs_half_gemm
-def test_stacked_screen_bounds_hold():
-    """Each TrackStar score lies within its screened interval, near-copies of queries included."""
-    rng = np.random.default_rng(4)
-    rows, queries, whitening, base = _trackstar_case(rng)
-    norms = row_norms(TensorRows(torch.from_numpy(rows)))
-    plan = plan_queries(queries, "trackstar", "none", whitening, base, norms)
-    assert plan.stacked is not None and plan.screen is not None
-    lower, upper = (b.double().numpy() for b in screen_bounds(plan, torch.from_numpy(rows), 0))
-    exact = _reference(rows.astype(np.float32), queries.numpy(), whitening, "trackstar", "none")
-    slack = 1e-6 * np.abs(exact)  # the fp64 reference vs the exact path's own fp32 rounding
-    assert (lower <= exact + slack).all() and (exact - slack <= upper).all()
-    width = (upper - lower)[:, np.linalg.norm(rows.astype(np.float32), axis=1) > 0]
-    assert np.median(width) < 0.05 * np.abs(exact).max()  # tight for most rows: screening pays
-
-
-@needs_half_gemm
-@pytest.mark.parametrize("aggregate", AGGREGATES)
-def test_stacked_screened_top_k_equals_exact(aggregate, tmp_path):
-    rng = np.random.default_rng(5)
-    rows, queries, whitening, base = _trackstar_case(rng)
-    np.save(tmp_path / "g.npy", rows)
-    norms = row_norms(TensorRows(torch.from_numpy(rows)))
-    exact_plan = plan_queries(queries, "trackstar", aggregate, whitening, base)
-    plan = plan_queries(queries, "trackstar", aggregate, whitening, base, norms)
-    want = score_rows(TensorRows(torch.from_numpy(rows)), exact_plan, top_k=5, chunk_rows=700)
-    for source in (TensorRows(torch.from_numpy(rows)), ArrayRows(np.load(tmp_path / "g.npy", mmap_mode="r"))):
-        got = score_rows(source, plan, top_k=5, chunk_rows=700)
-        np.testing.assert_array_equal(got.top_rows.numpy(), want.top_rows.numpy())
-        np.testing.assert_array_equal(got.bottom_rows.numpy(), want.bottom_rows.numpy())
-        np.testing.assert_allclose(got.top_values.numpy(), want.top_values.numpy(), rtol=1e-6)
-    if aggregate == "none":
-        assert set(want.top_rows[:2, 0].tolist()) == {5, 6}  # the near-copies lead their queries

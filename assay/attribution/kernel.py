@@ -10,12 +10,12 @@ Why it is fast: scoring a few queries is memory-bound, so every row should cross
 once. A chunk (~32 MiB of fp32) is used where the page cache holds it: its pages are mapped in
 one call and unmapped when the chunk is done (`FileWindows`; resident memory stays bounded
 whatever N is, and no copy is made). It is then scored in blocks of ~1 MiB of fp32 that stay in
-the core's cache between the cast, the GEMM and the norms — or, for fp16 rows, screened whole
-by fp16 GEMMs with proven error bounds, only the rows that may reach the top k being scored
-again exactly (`Screen`, `StackedScreen`): a stored number is then read once, as fp16.
-Chunks are spread over worker threads, one per core, each running single-threaded torch: a
-few large operations per chunk instead of many small multi-threaded ones whose
-synchronisation would cost more than their arithmetic.
+the core's cache between the cast, the GEMM and the norms — or, for fp16 rows in inner,
+influence and cosine, screened whole by an fp16 GEMM with a proven error bound, only the rows
+that may reach the top k being scored again exactly (`Screen`): a stored number is then read
+once, as fp16. Chunks are spread over worker threads, one per core, each running
+single-threaded torch: a few large operations per chunk instead of many small multi-threaded
+ones whose synchronisation would cost more than their arithmetic.
 """
 
 from __future__ import annotations
@@ -197,7 +197,7 @@ class QueryPlan:
     reduce_max: bool
     base_norms: torch.Tensor | None = None  # [N] fp64 ‖(R_train + δI)^{-1/2} t‖² ("lowrank")
     stacked: StackedModules | None = None  # "lowrank" with equal-width modules: one bmm per block
-    screen: Screen | StackedScreen | None = None  # fp16 rows: fp16 GEMMs pick the rows scored exactly
+    screen: Screen | None = None  # fp16 rows: a half-precision GEMM picks the rows to score exactly
     row_norms: torch.Tensor | None = None  # [N] fp32 ‖t‖ of every row (norms.npy): cosine, Screen
 
 
@@ -238,42 +238,12 @@ class Screen:
 
     @staticmethod
     def of(vectors: torch.Tensor) -> Screen:
-        return Screen(*_half_rows(vectors))
-
-
-def _half_rows(weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """(fp16 rows scaled to max |entry| 1, the scales, α, β) for rows [..., n] that multiply
-    fp16 vectors t of length n: the product is within α‖t‖ + β·[t ≠ 0] + 2⁻¹⁰|result| of the
-    fp32 one (see `Screen`)."""
-    width = weights.shape[-1]
-    scale = weights.abs().amax(dim=-1).clamp_min(EPS)
-    rel = 2.0**-11 + width * 2.0**-24
-    linear = 2 * rel * torch.linalg.vector_norm(weights, dim=-1) + 2 * scale * 2.0**-25 * width**0.5
-    return (weights / scale[..., None]).half(), scale, linear, 2 * scale * 2.0**-25
-
-
-@dataclass
-class StackedScreen:
-    """`Screen` for TrackStar's low-rank plans (StackedModules): per module m, one fp16 GEMM of
-    its block [A+Q, d] (each row scaled to max |entry| 1) with the rows' columns t_m.
-
-    Entry (m, r) of the result is then within e = α_r‖t_m‖ + β_r + 2⁻¹⁰|approx| of the fp32
-    product (α, β: Screen's bound with d for D). The scores Σ_m V_{a,m}·t_m are within
-    √(Σ_m α²)‖t‖ + Σ_m β + 2⁻¹⁰ Σ_m|approx| (Cauchy–Schwarz over modules, Σ_m ‖t_m‖² = ‖t‖²).
-    The correction Σ_{m,j} c² (c the Q rows) is within Σ e(2|c| + e), bounded the same way;
-    ‖W t‖² = base(t)/(1−λ) − correction then lies in an interval, and so does each score — an
-    interval as wide as the row is close to the queries' subspace, where the two terms cancel
-    (such rows are then scored exactly; see `screened_chunk`).
-    """
-
-    half: torch.Tensor  # [M, A+Q, d] fp16
-    scale: torch.Tensor  # [M, A+Q] fp32
-    linear: torch.Tensor  # [M, A+Q] fp32: α
-    flat: torch.Tensor  # [M, A+Q] fp32: β
-
-    @staticmethod
-    def of(weights: torch.Tensor) -> StackedScreen:
-        return StackedScreen(*_half_rows(weights))
+        dim = vectors.shape[1]
+        scale = vectors.abs().amax(dim=1).clamp_min(EPS)
+        rel = 2.0**-11 + dim * 2.0**-24
+        linear = 2 * rel * torch.linalg.vector_norm(vectors, dim=1) + 2 * scale * 2.0**-25 * dim**0.5
+        half = (vectors / scale[:, None]).half()
+        return Screen(half, scale, linear, 2 * scale * 2.0**-25)
 
 
 _HALF_GEMM: dict[str, bool] = {}
@@ -344,11 +314,9 @@ def plan_queries(
     keep = whitening if norm in ("whitened", "lowrank") else None
     stacked = stack_modules(v, whitening) if norm == "lowrank" else None
     norms = None if row_norms is None else torch.from_numpy(np.asarray(row_norms, dtype=np.float32))
-    screen: Screen | StackedScreen | None = None
+    screen = None
     if norms is not None and norm in ("none", "raw") and half_gemm_is_exact_enough():
         screen = Screen.of(v)
-    elif norms is not None and stacked is not None and half_gemm_is_exact_enough():
-        screen = StackedScreen.of(stacked.weights)
     return QueryPlan(v.contiguous(), norm, keep, aggregate == "max", base, stacked, screen, norms)
 
 
@@ -405,18 +373,15 @@ def screened_chunk(
     bounds = screen_bounds(plan, rows, start)
     if bounds is None:
         return chunk_scores(plan, rows, start), torch.arange(start, start + rows.shape[0])
-    lower, upper = bounds
+    approx, err = bounds
+    upper, lower = approx + err, approx - err
     if plan.reduce_max:
         upper, lower = upper.amax(0, keepdim=True), lower.amax(0, keepdim=True)
     k = min(top_k, rows.shape[0])
     top_cut = lower.topk(k, dim=1).values[:, -1:]  # k rows score at least this
     bottom_cut = upper.topk(k, dim=1, largest=False).values[:, -1:]
     picked = ((upper >= top_cut) | (lower <= bottom_cut)).any(0).nonzero().squeeze(1)
-    if plan.stacked is not None:
-        assert plan.base_norms is not None
-        exact = stacked_scores(plan, rows[picked].float(), plan.base_norms[picked + start])
-    else:
-        exact = plan.vectors @ rows[picked].float().T
+    exact = plan.vectors @ rows[picked].float().T
     if plan.row_norm == "raw":
         assert plan.row_norms is not None
         exact /= plan.row_norms[picked + start].clamp_min(EPS)
@@ -428,12 +393,10 @@ def screened_chunk(
 def screen_bounds(
     plan: QueryPlan, rows: torch.Tensor, start: int
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(lower, upper) bounds [A, C] on the scores of fp16 rows, from fp16 GEMMs, or None when one
-    overflowed fp16's range (see `Screen`, `StackedScreen`)."""
+    """(approximate scores [A, C], their error bounds [A, C]) of fp16 rows from one fp16 GEMM,
+    or None when it overflowed fp16's range (see `Screen`)."""
     sc = plan.screen
     assert sc is not None and plan.row_norms is not None
-    if isinstance(sc, StackedScreen):
-        return stacked_bounds(plan, sc, rows, start)
     approx = (sc.half @ rows.T).float()  # [A, C]
     if not bool(torch.isfinite(approx).all()):
         return None
@@ -444,43 +407,7 @@ def screen_bounds(
         inv = 1 / norms.clamp_min(EPS)
         approx *= inv
         err *= inv
-    return approx - err, approx + err
-
-
-def stacked_bounds(
-    plan: QueryPlan, sc: StackedScreen, rows: torch.Tensor, start: int
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """`screen_bounds` for TrackStar's low-rank plans: bounds on the scores V t and on ‖W t‖,
-    combined into an interval per score; see `StackedScreen`."""
-    assert plan.row_norms is not None and plan.base_norms is not None and plan.whitening is not None
-    assert plan.whitening.lowrank is not None
-    modules, width = sc.half.shape[0], sc.half.shape[2]
-    num_scores = plan.vectors.shape[0]
-    parts = torch.stack([sc.half[m] @ rows[:, m * width : (m + 1) * width].T for m in range(modules)])
-    parts = parts.float()  # [M, A+Q, C]
-    if not bool(torch.isfinite(parts).all()):
-        return None
-    parts *= sc.scale[..., None]
-    norms = plan.row_norms[start : start + rows.shape[0]].double()  # ‖t‖ [C]
-    nonzero = (norms > 0).double()
-    lin, flat = sc.linear.double(), sc.flat.double()
-    num, c = parts[:, :num_scores].double(), parts[:, num_scores:].double()  # [M, A, C], [M, Q, C]
-    scores = num.sum(0)  # [A, C]
-    num_err = lin[:, :num_scores].square().sum(0).sqrt()[:, None] * norms
-    num_err += flat[:, :num_scores].sum(0)[:, None] * nonzero + 2.0**-10 * num.abs().sum(0)
-    # the correction: Σ e(2|c| + e), e = α‖t_m‖ + β + 2⁻¹⁰|c|, with Σ_m ‖t_m‖² = ‖t‖²
-    lin_c, rest = lin[:, num_scores:, None], flat[:, num_scores:, None] * nonzero + 2.0**-10 * c.abs()
-    per_module = (lin_c * c.abs()).sum(1)  # [M, C]: Σ_j α|c|, times ‖t_m‖ below
-    corr_err = 2 * norms * per_module.square().sum(0).sqrt() + (rest * (2 * c.abs() + 2 * rest)).sum((0, 1))
-    corr_err += 2 * norms.square() * lin_c.square().sum(1).amax(0).squeeze(-1)  # e² ≤ 2(α‖t_m‖)² + 2·rest²
-    base = plan.base_norms[start : start + rows.shape[0]] * plan.whitening.lowrank.base_scale
-    sq = base - c.square().sum((0, 1))
-    den_lo = (sq - corr_err).clamp_min(0).sqrt().clamp_min(EPS)
-    den_hi = (sq + corr_err).clamp(min=0).minimum(base.clamp_min(0)).sqrt().clamp_min(EPS)
-    hi, lo = scores + num_err, scores - num_err
-    upper = torch.where(hi >= 0, hi / den_lo, hi / den_hi)
-    lower = torch.where(lo <= 0, lo / den_lo, lo / den_hi)
-    return lower.float(), upper.float()
+    return approx, err
 
 
 _thread_scratch = threading.local()
@@ -497,8 +424,7 @@ def _scratch(rows: int, dim: int, device: torch.device) -> torch.Tensor:
 def block_scores(plan: QueryPlan, rows: torch.Tensor, start: int) -> torch.Tensor:
     """[A, c] scores of fp32 rows [c, D] starting at row `start`."""
     if plan.stacked is not None:
-        assert plan.base_norms is not None
-        return stacked_scores(plan, rows, plan.base_norms[start : start + rows.shape[0]])
+        return stacked_scores(plan, rows, start)
     scores = plan.vectors @ rows.T  # [A, c]: this orientation measured faster than rows @ V.T here
     if plan.row_norm == "raw":
         given = None if plan.row_norms is None else plan.row_norms[start : start + rows.shape[0]]
@@ -511,18 +437,16 @@ def block_scores(plan: QueryPlan, rows: torch.Tensor, start: int) -> torch.Tenso
     return scores
 
 
-def stacked_scores(plan: QueryPlan, rows: torch.Tensor, base_norms: torch.Tensor) -> torch.Tensor:
-    """`block_scores` for "lowrank" plans with a StackedModules: one bmm for scores and norms.
-
-    `base_norms` [c] are the rows' cached base(t) (fp64)."""
-    assert plan.stacked is not None and plan.whitening is not None
+def stacked_scores(plan: QueryPlan, rows: torch.Tensor, start: int) -> torch.Tensor:
+    """`block_scores` for "lowrank" plans with a StackedModules: one bmm for scores and norms."""
+    assert plan.stacked is not None and plan.base_norms is not None and plan.whitening is not None
     assert plan.whitening.lowrank is not None
     weights = plan.stacked.weights  # [M, A+Q, d]
     modules, num_scores, width = weights.shape[0], plan.vectors.shape[0], weights.shape[2]
     both = torch.bmm(weights, rows.view(-1, modules, width).permute(1, 2, 0))  # [M, A+Q, c]
     scores = both[:, :num_scores].sum(dim=0)  # [A, c]
     correction = both[:, num_scores:].double().square().sum(dim=(0, 1))  # Σ_m ‖L_mᵀ s_m‖²
-    base = base_norms * plan.whitening.lowrank.base_scale
+    base = plan.base_norms[start : start + rows.shape[0]] * plan.whitening.lowrank.base_scale
     sq = base - correction  # fp64: for a row close to a query the two nearly cancel
     return scores / sq.clamp_min(0).sqrt().float().clamp_min(EPS)
 

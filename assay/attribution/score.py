@@ -100,8 +100,9 @@ class ScoreConfig:
     """Lists searched per query (more: closer to exact, slower)."""
     cache_norms: bool = True
     """Cache per-row numbers the fast paths need (in the assay cache), computed on first use:
-    trackstar with few queries, each row's whitened norm under the training statistics; on an
-    fp16 index without norms.npy (built before it existed), each row's norm (for screening)."""
+    trackstar with few queries, each row's whitened norm under the training statistics; inner,
+    influence and cosine on an fp16 index without norms.npy (built before it existed), each
+    row's norm."""
     token_batch_size: int = 2048
     """Most tokens per batch when computing the query gradients."""
     device: str = "auto"
@@ -287,12 +288,11 @@ def cached_base_norms(index: GradientIndex, whitening: Whitening, chunk_rows: in
 
 
 def index_row_norms(index: GradientIndex, mode: str, cache: bool, chunk_rows: int) -> np.ndarray | None:
-    """[N] ‖t‖ per row where a mode uses them: cosine divides by them, and every mode screens an
-    fp16 index's rows with them (kernel.Screen; trackstar with cached norms, kernel.StackedScreen).
-    From the index's norms.npy; for an index built before it, computed once and cached when
-    screening needs them."""
+    """[N] ‖t‖ per row where a mode uses them: cosine divides by them, and inner, influence and
+    cosine screen an fp16 index's rows with them (kernel.Screen). From the index's norms.npy;
+    for an index built before it, computed once and cached when screening needs them."""
     screens = index.gradients.dtype == np.float16 and half_gemm_is_exact_enough()
-    if mode != "cosine" and not screens:
+    if mode not in ("inner", "influence", "cosine") or (mode != "cosine" and not screens):
         return None
     if index.row_norms is not None:
         return index.row_norms
@@ -356,8 +356,8 @@ def score_index(
 
     trackstar with few queries (Q ≤ d_m/4) and `cache_norms` takes each row's ‖W t‖ from the
     Woodbury form and a per-index cache, so the pass over the index is a plain streamed GEMM.
-    On an fp16 index (without `scores_out`) the rows are screened with half-precision GEMMs and
-    only those that may reach the top k are scored exactly (kernel.Screen, kernel.StackedScreen).
+    inner, influence and cosine on an fp16 index (without `scores_out`) screen the rows with a
+    half-precision GEMM and score exactly only those that may reach the top k (kernel.Screen).
     """
     if queries.shape[-1] != index.dim:
         raise AssayError(f"query gradients have {queries.shape[-1]} dimensions, the index {index.dim}")
