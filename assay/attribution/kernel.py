@@ -69,7 +69,7 @@ class RowSource(Protocol):
 class ArrayRows:
     """Rows of a numpy array or memmap (fp16, fp32 or fp64).
 
-    A memmap over a whole file is read through its own private mapping of the file, one window
+    A memmap over a whole file is read through its own read-only mapping of the file, one window
     of rows per buffer slot: the window's pages are mapped in one call when it is read and
     unmapped when its slot is read again, so resident memory stays at a few chunks however
     large the file is, and the rows are used where the page cache holds them (no copy).
@@ -253,7 +253,10 @@ def half_gemm_is_exact_enough() -> bool:
     """Whether this CPU's fp16 GEMM accumulates in fp32 and is fast (oneDNN with AVX512-FP16 or
     AMX-FP16): checked once against an fp64 product with cancellation; otherwise rows are cast."""
     if "ok" not in _HALF_GEMM:
-        ok = torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+        try:
+            ok = torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+        except (AttributeError, RuntimeError):  # a private query other torch builds may lack
+            ok = False
         if ok:
             gen = torch.Generator().manual_seed(0)
             a = torch.randn(4, 4096, generator=gen).half()
