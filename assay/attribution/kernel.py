@@ -7,7 +7,7 @@ queries and each row needs only its norm ‖W t‖ besides the GEMM (from a per-
 small per-module product; see `LowRank`).
 
 Why it is fast: scoring a few queries is memory-bound, so every row should cross the memory bus
-once. A chunk (~32 MiB of fp32) is used where the page cache holds it: its pages are mapped in
+once. A chunk (~64 MiB of fp32) is used where the page cache holds it: its pages are mapped in
 one call and unmapped when the chunk is done (`FileWindows`; resident memory stays bounded
 whatever N is, and no copy is made). It is then scored in blocks of ~1 MiB of fp32 that stay in
 the core's cache between the cast, the GEMM and the norms — or, for fp16 rows in inner,

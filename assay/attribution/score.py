@@ -89,7 +89,7 @@ class ScoreConfig:
     save_scores: bool = False
     """Also write every score: scores.npy [queries or 1, N] float32."""
     chunk_rows: int = 0
-    """Index rows scored per chunk (0: ~32 MiB of fp32 rows; the arithmetic runs on cache-sized
+    """Index rows scored per chunk (0: ~64 MiB of fp32 rows; the arithmetic runs on cache-sized
     blocks within it)."""
     search: Literal["exact", "faiss"] = "exact"
     """exact: stream every row (default). faiss: an approximate IVF index, built once per index
@@ -250,16 +250,16 @@ def stream_moment_sums(index: GradientIndex, chunk_rows: int) -> dict[str, torch
     return sums
 
 
-CHUNK_MIB = 32
+CHUNK_MIB = 64
 
 
 def auto_chunk_rows(dim: int, mib: int = CHUNK_MIB) -> int:
-    """Rows per chunk, `mib` MiB of fp32: few file reads, thread hand-offs and top-k merges.
+    """Rows per chunk, `mib` MiB of fp32: few mappings, thread hand-offs and top-k merges.
 
-    Each chunk costs a fixed amount besides its rows; against 8 MiB chunks, 32 MiB ones scored
-    1.2–1.4× faster for ~36 MiB more resident memory, and 64 MiB gained little more
-    (`bench/bench_score.py --chunk_mib 8 32`, docs/BENCHMARKS.md). The arithmetic still runs
-    on cache-sized blocks within the chunk (kernel.BLOCK_BYTES).
+    Each chunk costs a fixed amount besides its rows; against 32 MiB chunks, 64 MiB ones scored
+    the screened fp16 modes and the fp32 inner product 1.15–1.5× faster for 50–100 MiB more
+    resident memory (`bench/bench_score.py --chunk_mib 32 64`, docs/BENCHMARKS.md). The
+    arithmetic still runs on cache-sized blocks within the chunk (kernel.BLOCK_BYTES).
     """
     return max(64, (mib << 20) // (4 * dim))
 
