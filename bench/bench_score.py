@@ -8,7 +8,7 @@ Each case runs in its own subprocess so its peak resident memory (ru_maxrss) is 
              inner, influence and cosine on fp16 rows: fp16 GEMM -> exact scores of the rows
              that may reach the top k (the rows' norms come from the index's norms.npy)
 Usage: python bench/bench_score.py [--rows 100000] [--dim 3584] [--queries 4] [--repeats 3] [--rounds 3]
-                                   [--dtype float16] [--chunk_mib 8 32]
+                                   [--dtype float16] [--chunk_mib 32 64] [--block_mib 4 8]
 Ratios are medians over rounds of each case's time over the matmul's time in the same round:
 `vs matmul` for the median of the passes after the first, `1st pass` for a process's first
 pass (the only one an `assay score` run makes), both over the matmul's warm time.
@@ -65,9 +65,15 @@ def rss_mib(field: str = "VmRSS") -> float:
     return float("nan")
 
 
-def run_case(case: str, path: Path, queries: int, repeats: int, chunk_mib: int = 0) -> dict:
+def run_case(
+    case: str, path: Path, queries: int, repeats: int, chunk_mib: int = 0, block_mib: int = 0
+) -> dict:
+    from assay.attribution import kernel
     from assay.attribution.kernel import ArrayRows, plan_queries, score_rows
     from assay.attribution.score import auto_chunk_rows
+
+    if block_mib:  # for the rows at hand: fp32 rows use the first, fp16 rows (cast) the second
+        kernel.STACKED_BLOCK_BYTES = kernel.STACKED_CAST_BLOCK_BYTES = block_mib << 20
 
     rows = np.load(path, mmap_mode="r")
     n, dim = rows.shape
@@ -149,11 +155,19 @@ def main() -> None:
         default=[0],
         help="rows per chunk as MiB of fp32 (0: assay score's own choice); several are compared",
     )
+    ap.add_argument(
+        "--block_mib",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="cached TrackStar's block for its batched product, MiB of fp32 (0: the kernel's own)",
+    )
     ap.add_argument("--case", help=argparse.SUPPRESS)
     ap.add_argument("--path", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.case:  # child process: one measurement
-        print(json.dumps(run_case(args.case, Path(args.path), args.queries, args.repeats, args.chunk_mib[0])))
+        sizes = (args.chunk_mib[0], args.block_mib[0])
+        print(json.dumps(run_case(args.case, Path(args.path), args.queries, args.repeats, *sizes)))
         return
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "gradients.npy"
@@ -168,15 +182,19 @@ def main() -> None:
         if "trackstar-cached" in args.cases.split(","):
             norms_seconds = norm_pass(path, args.queries)
         runs: dict[str, list[dict]] = {}
+        specs: dict[str, tuple[str, int, int]] = {}  # name -> (case, chunk MiB, block MiB)
         for case in args.cases.split(","):
-            for mib in [0] if case == "matmul" else args.chunk_mib:
-                runs[case if len(args.chunk_mib) == 1 or case == "matmul" else f"{case}@{mib}MiB"] = []
+            for chunk in [0] if case == "matmul" else args.chunk_mib:
+                for block in [0] if case == "matmul" else args.block_mib:
+                    name = case + (f"@{chunk}MiB" if len(args.chunk_mib) > 1 and case != "matmul" else "")
+                    name += f"@block{block}MiB" if len(args.block_mib) > 1 and case != "matmul" else ""
+                    runs[name], specs[name] = [], (case, chunk, block)
         for _ in range(args.rounds):  # cases interleaved, so load drift on a shared machine hits all alike
             for name in runs:
-                case, _, mib = name.partition("@")
+                case, chunk, block = specs[name]
                 cmd = [sys.executable, __file__, "--case", case, "--path", str(path)]
                 cmd += ["--queries", str(args.queries), "--repeats", str(args.repeats)]
-                cmd += ["--chunk_mib", mib.removesuffix("MiB") or str(args.chunk_mib[0])]
+                cmd += ["--chunk_mib", str(chunk), "--block_mib", str(block)]
                 out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
                 runs[name].append(json.loads(out.strip().splitlines()[-1]))
         results = []
