@@ -177,7 +177,7 @@ def _queries(rng, dim=512):
 
 
 @needs_half_gemm
-@pytest.mark.parametrize("mode", ["inner", "influence", "cosine"])
+@pytest.mark.parametrize("mode", ["inner", "cosine"])  # influence screens like inner (other V)
 def test_screen_error_bound_holds(mode):
     """Every approximate score lies within its bound of the fp64 score (Screen's docstring)."""
     rng = np.random.default_rng(1)
@@ -188,7 +188,7 @@ def test_screen_error_bound_holds(mode):
     rounding = torch.sign(v.half().double() - v.double()) * v.abs()
     rows[: len(rounding)] = (rounding / rounding.abs().amax(1, keepdim=True)).numpy().astype(np.float16)
     norms = row_norms(TensorRows(torch.from_numpy(rows)))
-    plan = plan_queries(queries, "cosine" if mode == "cosine" else "inner", "none", row_norms=norms)
+    plan = plan_queries(queries, mode, "none", row_norms=norms)
     approx, err = screen_bounds(plan, torch.from_numpy(rows), 0)
     t, v = rows.astype(np.float64), plan.vectors.double().numpy()
     exact = v @ t.T
@@ -204,7 +204,7 @@ def test_screen_error_bound_holds(mode):
 @needs_half_gemm
 @pytest.mark.parametrize("aggregate", AGGREGATES)
 @pytest.mark.parametrize("mode", ["inner", "cosine"])
-def test_screened_top_k_equals_exact(mode, aggregate, tmp_path):
+def test_screened_top_k_equals_exact(mode, aggregate, tmp_path, monkeypatch):
     """Screened and exact scoring give the same top and bottom rows, from a file and from memory,
     while scoring exactly only a small share of the rows."""
     rng = np.random.default_rng(2)
@@ -218,9 +218,20 @@ def test_screened_top_k_equals_exact(mode, aggregate, tmp_path):
     want = score_rows(
         TensorRows(torch.from_numpy(rows.astype(np.float32))), exact_plan, top_k=6, chunk_rows=700
     )
-    picked = []
+    picked = _count_screened(monkeypatch)
+    for source in (TensorRows(torch.from_numpy(rows)), ArrayRows(np.load(tmp_path / "g.npy", mmap_mode="r"))):
+        got = score_rows(source, plan, top_k=6, chunk_rows=700)
+        np.testing.assert_array_equal(got.top_rows.numpy(), want.top_rows.numpy())
+        np.testing.assert_array_equal(got.bottom_rows.numpy(), want.bottom_rows.numpy())
+        np.testing.assert_allclose(got.top_values.numpy(), want.top_values.numpy(), rtol=1e-6)
+    assert 0 < sum(picked) < 0.25 * 2 * len(rows)  # the point: most rows never leave the fp16 GEMM
+
+
+def _count_screened(monkeypatch) -> list[int]:
+    """Rows scored exactly by each screened chunk, recorded as score_rows runs."""
     import assay.attribution.kernel as kernel
 
+    picked: list[int] = []
     real = kernel.screened_chunk
 
     def counting(*args):
@@ -228,19 +239,8 @@ def test_screened_top_k_equals_exact(mode, aggregate, tmp_path):
         picked.append(len(positions))
         return scores, positions
 
-    kernel.screened_chunk = counting
-    try:
-        for source in (
-            TensorRows(torch.from_numpy(rows)),
-            ArrayRows(np.load(tmp_path / "g.npy", mmap_mode="r")),
-        ):
-            got = score_rows(source, plan, top_k=6, chunk_rows=700)
-            np.testing.assert_array_equal(got.top_rows.numpy(), want.top_rows.numpy())
-            np.testing.assert_array_equal(got.bottom_rows.numpy(), want.bottom_rows.numpy())
-            np.testing.assert_allclose(got.top_values.numpy(), want.top_values.numpy(), rtol=1e-6)
-    finally:
-        kernel.screened_chunk = real
-    assert sum(picked) < 0.25 * 2 * len(rows)  # the point: most rows never leave the fp16 GEMM
+    monkeypatch.setattr(kernel, "screened_chunk", counting)
+    return picked
 
 
 @needs_half_gemm
@@ -259,12 +259,21 @@ def test_screen_falls_back_when_fp16_overflows():
 
 
 def test_no_screen_where_it_does_not_apply(data, monkeypatch):
-    """Trackstar (whitened norms), saved scores and CPUs without an exact-enough fp16 GEMM
-    take the exact path."""
+    """Trackstar, fp32 rows, saved scores and CPUs without an exact-enough fp16 GEMM take the
+    exact path."""
     train, queries, whitening = data
     q = torch.from_numpy(queries)
     norms = row_norms(TensorRows(torch.from_numpy(train)))
     assert plan_queries(q, "trackstar", "none", whitening, row_norms=norms).screen is None
+    picked = _count_screened(monkeypatch)
+    plan = plan_queries(q, "inner", "none", row_norms=norms)
+    score_rows(TensorRows(torch.from_numpy(train)), plan)  # fp32 rows
+    half = TensorRows(torch.from_numpy(train.astype(np.float16)))
+    score_rows(half, plan, scores_out=np.zeros((4, len(train)), np.float32))
+    if plan.screen is not None:
+        assert not picked
+        score_rows(half, plan)
+        assert picked  # the same fp16 rows without saved scores are screened
     import assay.attribution.kernel as kernel
 
     monkeypatch.setitem(kernel._HALF_GEMM, "ok", False)
