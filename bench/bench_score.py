@@ -97,10 +97,22 @@ def run_case(
         norms = np.load(path.with_name("norms.npy"))  # what `assay build` writes beside the rows
         plan = plan_queries(q, mode, "none", white, base, norms)
         extra["screened"] = plan.screen is not None and rows.dtype == np.float16
+        picked: list[int] = []
+        if extra["screened"]:  # count the rows each chunk scores exactly after the fp16 screen
+            real = kernel.screened_chunk
+
+            def counting(*args):
+                scores, positions = real(*args)
+                picked.append(len(positions))
+                return scores, positions
+
+            kernel.screened_chunk = counting
         for _ in range(repeats + 1):
             t = time.perf_counter()
             score_rows(source, plan, top_k=10, chunk_rows=chunk)
             times.append(time.perf_counter() - t)
+        if picked:
+            extra["rescored_per_chunk"] = float(np.mean(picked))
     best = float(np.median(times[1:]))  # later passes: warm kernels and page tables
     peak = rss_mib("VmHWM")
     return {
@@ -221,7 +233,8 @@ def main() -> None:
             if r["case"].startswith("trackstar-cached"):
                 line += f"   (after a one-time norm pass of {norms_seconds:.1f} s, cached)"
             if r.get("screened"):
-                line += "   (fp16 screen, exact re-scoring)"
+                exact = f"{r['rescored_per_chunk']:.0f} of {r['chunk_rows']:,}"
+                line += f"   (fp16 screen; {exact} rows per chunk re-scored exactly)"
             print(line)
 
 
