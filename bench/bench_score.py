@@ -72,8 +72,8 @@ def run_case(
     from assay.attribution.kernel import ArrayRows, plan_queries, score_rows
     from assay.attribution.score import auto_chunk_rows
 
-    if block_mib:  # for the rows at hand: fp32 rows use the first, fp16 rows (cast) the second
-        kernel.STACKED_BLOCK_BYTES = kernel.STACKED_CAST_BLOCK_BYTES = block_mib << 20
+    if block_mib:
+        kernel.STACKED_BLOCK_BYTES = block_mib << 20
 
     rows = np.load(path, mmap_mode="r")
     n, dim = rows.shape

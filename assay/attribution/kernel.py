@@ -44,11 +44,10 @@ AGGREGATES: tuple[str, ...] = ("none", "mean", "max")
 EPS = 1e-30
 BLOCK_BYTES = 1 << 20  # fp32 rows scored at once: stays in a core's L2 cache
 # A stacked plan reads each block once (one bmm), so it has no cache to stay in; its dozen small
-# ops per block cost more than the block's arithmetic at 1 MiB: measured ~20% faster at 4 MiB.
-# Rows that are cast first (fp16) did better still with 8 MiB blocks, fp32 rows did not
-# (`bench/bench_score.py --cases matmul,trackstar-cached --block_mib 4 8`, docs/BENCHMARKS.md).
-STACKED_BLOCK_BYTES = 4 << 20
-STACKED_CAST_BLOCK_BYTES = 8 << 20
+# ops per block cost more than the block's arithmetic at small blocks: 6 MiB beat 4 and 8 on
+# fp32 rows and 4 on fp16 ones, and tied with 8 there
+# (`bench/bench_score.py --cases matmul,trackstar-cached --block_mib 4 6 8`, docs/BENCHMARKS.md).
+STACKED_BLOCK_BYTES = 6 << 20
 
 
 class RowSource(Protocol):
@@ -359,10 +358,8 @@ def chunk_scores(plan: QueryPlan, rows: torch.Tensor, start: int = 0) -> torch.T
     Rows are cast to fp32 and scored a cache-sized block at a time (see the module docstring).
     """
     out = torch.empty(plan.vectors.shape[0], rows.shape[0])  # [A, C]
-    cast = rows.dtype != STATS_DTYPE
-    stacked = STACKED_CAST_BLOCK_BYTES if cast else STACKED_BLOCK_BYTES
-    step = max(16, (stacked if plan.stacked is not None else BLOCK_BYTES) // (4 * rows.shape[1]))
-    scratch = _scratch(step, rows.shape[1], rows.device) if cast else None
+    step = max(16, (STACKED_BLOCK_BYTES if plan.stacked is not None else BLOCK_BYTES) // (4 * rows.shape[1]))
+    scratch = _scratch(step, rows.shape[1], rows.device) if rows.dtype != STATS_DTYPE else None
     for s in range(0, rows.shape[0], step):
         block = rows[s : s + step]
         if scratch is not None:  # cast into a reused buffer: no allocation (and page faults) per block
