@@ -278,3 +278,17 @@ def test_no_screen_where_it_does_not_apply(data, monkeypatch):
 
     monkeypatch.setitem(kernel._HALF_GEMM, "ok", False)
     assert plan_queries(q, "inner", "none", row_norms=norms).screen is None
+
+
+def test_file_windows_per_slot(tmp_path):
+    """Each slot's window holds its rows until that slot is read again; other slots' stay."""
+    data = np.random.default_rng(6).normal(size=(5000, 24)).astype(np.float16)
+    np.save(tmp_path / "g.npy", data)
+    source = ArrayRows(np.load(tmp_path / "g.npy", mmap_mode="r"))
+    first = source.read_raw(0, 1000, slot=0)
+    second = source.read_raw(1000, 3000, slot=1)
+    again = source.read_raw(3000, 5000, slot=0)  # slot 0's earlier window is unmapped
+    np.testing.assert_array_equal(second.numpy(), data[1000:3000])
+    np.testing.assert_array_equal(again.numpy(), data[3000:5000])
+    np.testing.assert_array_equal(first.numpy(), data[:1000])  # still the file's rows, paged back in
+    assert source.read_raw(10, 10).shape == (0, 24)
