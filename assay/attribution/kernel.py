@@ -320,7 +320,8 @@ def plan_queries(
     stacked = stack_modules(v, whitening) if norm == "lowrank" else None
     norms = None if row_norms is None else torch.from_numpy(np.asarray(row_norms, dtype=np.float32))
     screen = None
-    if norms is not None and norm in ("none", "raw") and half_gemm_is_exact_enough():
+    on_cpu = v.device.type == "cpu"  # the capability check and the bound are the CPU GEMM's
+    if norms is not None and norm in ("none", "raw") and on_cpu and half_gemm_is_exact_enough():
         screen = Screen.of(v)
     return QueryPlan(v.contiguous(), norm, keep, aggregate == "max", base, stacked, screen, norms)
 
