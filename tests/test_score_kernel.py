@@ -276,7 +276,7 @@ def test_no_screen_where_it_does_not_apply(data, monkeypatch):
         assert picked  # the same fp16 rows without saved scores are screened
     import assay.attribution.kernel as kernel
 
-    monkeypatch.setitem(kernel._HALF_GEMM, "ok", False)
+    monkeypatch.setattr(kernel, "half_gemm_is_exact_enough", lambda: False)
     assert plan_queries(q, "inner", "none", row_norms=norms).screen is None
 
 

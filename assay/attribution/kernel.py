@@ -21,6 +21,7 @@ ones whose synchronisation would cost more than their arithmetic.
 from __future__ import annotations
 
 import contextlib
+import functools
 import mmap
 import threading
 import warnings
@@ -248,27 +249,22 @@ class Screen:
         return Screen(half, scale, linear, 2 * scale * 2.0**-25)
 
 
-_HALF_GEMM: dict[str, bool] = {}
-
-
+@functools.cache
 def half_gemm_is_exact_enough() -> bool:
     """Whether this CPU's fp16 GEMM accumulates in fp32 and is fast (oneDNN with AVX512-FP16 or
     AMX-FP16): checked once against an fp64 product with cancellation; otherwise rows are cast."""
-    if "ok" not in _HALF_GEMM:
-        try:
-            ok = torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
-        except (AttributeError, RuntimeError):  # a private query other torch builds may lack
-            ok = False
-        if ok:
-            gen = torch.Generator().manual_seed(0)
-            a = torch.randn(4, 4096, generator=gen).half()
-            b = torch.randn(512, 4096, generator=gen).half()
-            b[:, ::2] *= 64  # large terms that cancel: fp16 accumulation would show
-            exact = a.double() @ b.double().T
-            err = ((a @ b.T).double() - exact).abs() - 2.0**-11 * exact.abs()
-            ok = bool((err <= 4096 * 2.0**-24 * (a.double().abs() @ b.double().abs().T)).all())
-        _HALF_GEMM["ok"] = ok
-    return _HALF_GEMM["ok"]
+    try:
+        if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_fp16_supported()):
+            return False
+    except (AttributeError, RuntimeError):  # a private query other torch builds may lack
+        return False
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(4, 4096, generator=gen).half()
+    b = torch.randn(512, 4096, generator=gen).half()
+    b[:, ::2] *= 64  # large terms that cancel: fp16 accumulation would show
+    exact = a.double() @ b.double().T
+    err = ((a @ b.T).double() - exact).abs() - 2.0**-11 * exact.abs()
+    return bool((err <= 4096 * 2.0**-24 * (a.double().abs() @ b.double().abs().T)).all())
 
 
 def unit_rows(x: torch.Tensor) -> torch.Tensor:
@@ -387,10 +383,7 @@ def screened_chunk(
     top_cut = lower.topk(k, dim=1).values[:, -1:]  # k rows score at least this
     bottom_cut = upper.topk(k, dim=1, largest=False).values[:, -1:]
     picked = ((upper >= top_cut) | (lower <= bottom_cut)).any(0).nonzero().squeeze(1)
-    exact = plan.vectors @ rows[picked].float().T
-    if plan.row_norm == "raw":
-        assert plan.row_norms is not None
-        exact /= plan.row_norms[picked + start].clamp_min(EPS)
+    exact = block_scores(plan, rows[picked].float(), start, picked + start)
     if plan.reduce_max:
         exact = exact.amax(0, keepdim=True)
     return exact, picked + start
@@ -427,13 +420,17 @@ def _scratch(rows: int, dim: int, device: torch.device) -> torch.Tensor:
     return buf
 
 
-def block_scores(plan: QueryPlan, rows: torch.Tensor, start: int) -> torch.Tensor:
-    """[A, c] scores of fp32 rows [c, D] starting at row `start`."""
+def block_scores(
+    plan: QueryPlan, rows: torch.Tensor, start: int, positions: torch.Tensor | None = None
+) -> torch.Tensor:
+    """[A, c] scores of fp32 rows [c, D] starting at row `start`, or (inner, influence, cosine)
+    at the row positions `positions` [c]."""
     if plan.stacked is not None:
         return stacked_scores(plan, rows, start)
     scores = plan.vectors @ rows.T  # [A, c]: this orientation measured faster than rows @ V.T here
     if plan.row_norm == "raw":
-        given = None if plan.row_norms is None else plan.row_norms[start : start + rows.shape[0]]
+        at = slice(start, start + rows.shape[0]) if positions is None else positions
+        given = None if plan.row_norms is None else plan.row_norms[at]
         scores /= (torch.linalg.vector_norm(rows, dim=1) if given is None else given).clamp_min(EPS)
     elif plan.row_norm == "whitened":
         assert plan.whitening is not None

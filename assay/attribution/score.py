@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -304,7 +305,9 @@ def index_row_norms(index: GradientIndex, mode: str, cache: bool, chunk_rows: in
     )
 
 
-def _cached_per_row(index: GradientIndex, kind: str, key: str, what: str, compute: Any) -> np.ndarray:
+def _cached_per_row(
+    index: GradientIndex, kind: str, key: str, what: str, compute: Callable[[], np.ndarray]
+) -> np.ndarray:
     """An [N] array about the index's rows, from the assay cache or computed and cached."""
     path = index_cache_path(index, kind, key, ".npy")
     if path.exists():
