@@ -84,3 +84,24 @@ def test_plain_path_where_chunking_would_be_wrong():
     before = model.get_output_embeddings()
     example_losses(model, batch)
     assert model.get_output_embeddings() is before, "the head is restored after the forward"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_chunk_buffers_match_a_reference(dtype, with_bias, monkeypatch):
+    """Losses and d loss/d hidden against fp64 on the same rounded inputs, with a bias and a
+    last chunk shorter than the rest (the reused buffers must not leak between chunks)."""
+    monkeypatch.setattr(head_loss, "CHUNK_ELEMENTS", 50 * 7)  # 7 tokens a chunk, 23 tokens
+    gen = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(23, 16, generator=gen), torch.randn(50, 16, generator=gen)
+    bias = torch.randn(50, generator=gen) if with_bias else None
+    targets = torch.randint(0, 50, (23,), generator=gen)
+    losses, grads = head_loss._losses_and_grads(hidden, weight, bias, targets, dtype, True)
+    h, w = hidden.to(dtype).double(), weight.to(dtype).double()
+    logits = h @ w.T + (0 if bias is None else bias.to(dtype).double())
+    ref_losses = torch.nn.functional.cross_entropy(logits, targets, reduction="none")
+    probs = logits.softmax(dim=1) - torch.nn.functional.one_hot(targets, 50)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
+    torch.testing.assert_close(losses.double(), ref_losses, rtol=tol, atol=tol)
+    assert grads is not None and grads.dtype == torch.float32
+    torch.testing.assert_close(grads.double(), probs @ w, rtol=tol, atol=tol)

@@ -85,25 +85,44 @@ def _losses_and_grads(
     dtype: torch.dtype,
     need_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """([N] fp32 token losses, [N, H] fp32 d loss/d hidden or None), a chunk of tokens at a time."""
-    w = weight.to(dtype)
+    """([N] fp32 token losses, [N, H] fp32 d loss/d hidden or None), a chunk of tokens at a time.
+
+    Every chunk reuses one set of [chunk, V] buffers: a fresh tensor per chunk would be a fresh
+    mapping for the kernel to zero and fault in (see `assay.core.memory`), which cost more than
+    the arithmetic. The softmax takes one exp per logit: lse = max + log Σ exp(z − max).
+    """
+    w = weight.to(dtype)  # [V, H]
     b = None if bias is None else bias.to(dtype)
     grad_dtype = torch.float32 if dtype == torch.float16 else dtype
-    w_grad = w.to(grad_dtype)
-    chunk = max(1, CHUNK_ELEMENTS // weight.shape[0])
-    losses = hidden.new_empty(hidden.shape[0], dtype=torch.float32)
+    w_grad = w.to(grad_dtype)  # the same tensor unless fp16
+    n, vocab = hidden.shape[0], weight.shape[0]
+    chunk = max(1, min(n, CHUNK_ELEMENTS // vocab))
+    losses = hidden.new_empty(n, dtype=torch.float32)
     grads = torch.empty_like(hidden, dtype=torch.float32) if need_grad else None
-    for start in range(0, hidden.shape[0], chunk):
-        rows = slice(start, start + chunk)
-        logits = torch.nn.functional.linear(hidden[rows].to(dtype), w, b).float()  # [c, V]
+    head_out = hidden.new_empty(chunk, vocab, dtype=dtype)
+    logits = head_out if dtype == torch.float32 else hidden.new_empty(chunk, vocab, dtype=torch.float32)
+    for start in range(0, n, chunk):
+        rows, c = slice(start, start + chunk), min(chunk, n - start)
+        h = hidden[rows].to(dtype)
+        if b is None:
+            torch.mm(h, w.T, out=head_out[:c])
+        else:
+            torch.addmm(b, h, w.T, out=head_out[:c])
+        z = logits[:c]
+        if z is not head_out:
+            z.copy_(head_out[:c])
         target = targets[rows, None]
-        picked = logits.gather(1, target)[:, 0]
-        lse = torch.logsumexp(logits, dim=1)
-        losses[rows] = lse - picked
+        picked = z.gather(1, target)[:, 0]
+        top = z.amax(dim=1, keepdim=True)
+        total = z.sub_(top).exp_().sum(dim=1, keepdim=True)  # z now holds exp(logits − max)
+        losses[rows] = (top + total.log())[:, 0] - picked
         if grads is not None:
-            probs = logits.sub_(lse[:, None]).exp_()  # softmax, in place: one [c, V] buffer
+            probs = z.div_(total)
             probs.scatter_add_(1, target, probs.new_full(target.shape, -1.0))
-            grads[rows] = (probs.to(grad_dtype) @ w_grad).float()
+            if grad_dtype == torch.float32:
+                torch.mm(probs, w_grad, out=grads[rows])
+            else:
+                grads[rows] = torch.mm(head_out[:c].copy_(probs), w_grad)
     return losses, grads
 
 
