@@ -25,7 +25,6 @@ class Command:
     run: str
     summary: str
     libraries: tuple[str, ...] = (
-        "datasets",
         "transformers.modeling_utils",
         "transformers.models.auto.modeling_auto",
         "transformers.models.auto.tokenization_auto",

@@ -65,6 +65,8 @@ def test_missing_file_unknown_column_and_empty_dataset(tmp_path, texts_jsonl):
 def test_config_validation():
     with pytest.raises(AssayError, match="--prompt_column"):
         DataConfig(completion_column="c")
+    with pytest.raises(AssayError, match="--completion_column"):
+        DataConfig(prompt_column="p")  # alone it would tokenize the text column but show prompts
     with pytest.raises(AssayError, match="--max_samples"):
         DataConfig(max_samples=0)
 
@@ -125,3 +127,47 @@ def test_seeded_sample_keeps_source_ids_in_order(texts_jsonl):
         for s in range(2, 8)
     ]
     assert any(o != [0, 1, 2] for o in other)
+
+
+@pytest.mark.parametrize("corpus", ["abc-tunes", "shakespeare"])
+def test_jsonl_reads_as_datasets_reads_it(corpus):
+    """JSON-lines files are read without `datasets`, row for row as `datasets` reads them."""
+    import datasets
+
+    from assay.core import corpora
+    from assay.core.paths import cache_dir
+
+    for split in ("train", "eval"):
+        path = corpora.prepare(corpus, cache_dir()) / f"{split}.jsonl"
+        ours = load_table(DataConfig(dataset=corpus, split=split))
+        theirs = datasets.load_dataset("json", data_files=str(path), split="train")
+        assert len(ours) == len(theirs) > 0
+        for column in theirs.column_names:
+            assert ours[column] == theirs[column], (split, column)
+
+
+def test_jsonl_rows_missing_keys_blank_lines_and_bad_lines(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"text": "a\u2028b", "group": "x"}\n\n{"text": "c"}\r\n')
+    table = load_table(DataConfig(dataset=str(path)))
+    assert table["text"] == ["a\u2028b", "c"] and table["group"] == ["x", None]
+    assert table[1] == {"text": "c", "group": None, "__assay_id__": 1}
+    path.write_text('{"text": "a"}\n{"text": "b\n')
+    with pytest.raises(AssayError, match="line 2 is not JSON"):
+        load_table(DataConfig(dataset=str(path)))
+    path.write_text('{"text": "a"}\n["b"]\n')
+    with pytest.raises(AssayError, match="line 2 is not a JSON object"):
+        load_table(DataConfig(dataset=str(path)))
+    path.write_bytes(b'{"text": "\xff"}\n')
+    with pytest.raises(AssayError, match="line 1 is not UTF-8"):
+        load_table(DataConfig(dataset=str(path)))
+
+
+def test_tokenize_cache_follows_the_rows(tmp_path, tiny_tokenizer):
+    """The cache key is the rows' content: an edited file is tokenized again."""
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"text": "one two"}\n')
+    _, first = load_examples(DataConfig(dataset=str(path)), tiny_tokenizer)
+    path.write_text('{"text": "three four five six"}\n')
+    _, second = load_examples(DataConfig(dataset=str(path)), tiny_tokenizer)
+    assert first.lengths[0] != second.lengths[0]

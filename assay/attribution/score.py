@@ -44,6 +44,7 @@ from assay.core.errors import AssayError
 from assay.core.lean import keep_compute_casts
 from assay.core.paths import cache_dir
 from assay.core.runs import DONE_FILE, run_folder, write_json
+from assay.core.table import Table
 
 
 @dataclass
@@ -165,8 +166,6 @@ def query_data_config(cfg: ScoreConfig, index: GradientIndex) -> DataConfig:
 
 def load_queries(cfg: ScoreConfig, index: GradientIndex, tokenizer: Any) -> Queries:
     """Tokenize the dataset queries and the ad-hoc texts with the index's tokenizer."""
-    import datasets
-
     parts: list[Queries] = []
     if cfg.query_dataset is not None:
         data_cfg = query_data_config(cfg, index)
@@ -175,7 +174,7 @@ def load_queries(cfg: ScoreConfig, index: GradientIndex, tokenizer: Any) -> Quer
         parts.append(Queries(ids, texts_of(table, data_cfg), tokenize(table, data_cfg, tokenizer)))
     if cfg.query_text:
         texts = list(cfg.query_text)
-        table = datasets.Dataset.from_dict({"text": texts, ID_COLUMN: list(range(len(texts)))})
+        table = Table.from_columns({"text": texts, ID_COLUMN: list(range(len(texts)))})
         text_cfg = DataConfig(dataset="query_text", max_length=int(index.meta["data"]["max_length"]))
         parts.append(
             Queries([f"text:{i}" for i in range(len(texts))], texts, tokenize(table, text_cfg, tokenizer))

@@ -52,9 +52,9 @@ class DataConfig:
     text_column: str = "text"
     """Column holding the text (ignored when --prompt_column is given)."""
     prompt_column: str | None = None
-    """Column holding a prompt; with it, only the completion's tokens carry loss."""
+    """Column holding a prompt (with --completion_column); only the completion's tokens carry loss."""
     completion_column: str | None = None
-    """Column holding the completion (needs --prompt_column)."""
+    """Column holding the completion (with --prompt_column)."""
     max_samples: int | None = None
     """Keep only the first N examples of the split."""
     sample_seed: int | None = None
@@ -70,8 +70,8 @@ class DataConfig:
     def __post_init__(self) -> None:
         from assay.core.errors import AssayError
 
-        if self.completion_column and not self.prompt_column:
-            raise AssayError("--completion_column needs --prompt_column as well")
+        if (self.prompt_column is None) != (self.completion_column is None):
+            raise AssayError("--prompt_column and --completion_column go together")
         if self.max_samples is not None and self.max_samples <= 0:
             raise AssayError(f"--max_samples must be positive, got {self.max_samples}")
         if self.max_length < 2:

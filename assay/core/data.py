@@ -20,25 +20,32 @@ from assay.core import corpora
 from assay.core.config import DataConfig
 from assay.core.errors import AssayError, first_line
 from assay.core.paths import cache_dir
+from assay.core.table import Table
 
 ID_COLUMN = "__assay_id__"
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
-def load_table(cfg: DataConfig) -> Any:
-    """The dataset split as a `datasets.Dataset`, with the source row id in ID_COLUMN."""
+def load_table(cfg: DataConfig) -> Table:
+    """The dataset split as a `Table`, with the source row id in ID_COLUMN."""
     table = _load_split(cfg)
-    table = table.add_column(ID_COLUMN, list(range(len(table))))
+    table = table.with_column(ID_COLUMN, list(range(len(table))))
     if cfg.filter_column is not None:
         _require_columns(table, [cfg.filter_column], cfg.dataset)
-        table = table.filter(lambda row: str(row[cfg.filter_column]) == cfg.filter_value)
+        column = table[cfg.filter_column]
+        table = table.select([i for i, v in enumerate(column) if str(v) == cfg.filter_value])
     if cfg.max_samples is not None:
         table = table.select(_sample(len(table), cfg.max_samples, cfg.sample_seed))
     if len(table) == 0:
         raise AssayError(f"dataset {cfg.dataset!r} (split {cfg.split!r}) has no examples left")
-    needed = [cfg.prompt_column, cfg.completion_column] if cfg.prompt_column else [cfg.text_column]
-    _require_columns(table, [c for c in needed if c], cfg.dataset)
+    _require_columns(table, _text_columns(cfg), cfg.dataset)
     return table
+
+
+def _text_columns(cfg: DataConfig) -> list[str]:
+    if cfg.prompt_column and cfg.completion_column:
+        return [cfg.prompt_column, cfg.completion_column]
+    return [cfg.text_column]
 
 
 def _sample(n: int, k: int, seed: int | None) -> list[int]:
@@ -49,52 +56,65 @@ def _sample(n: int, k: int, seed: int | None) -> list[int]:
 
 
 def _require_columns(table: Any, columns: list[str], name: str) -> None:
+    """Every column present (in a `Table` or a `datasets.Dataset`), else one line naming them."""
     missing = [c for c in columns if c not in table.column_names]
     if missing:
         have = ", ".join(c for c in table.column_names if c != ID_COLUMN)
         raise AssayError(f"dataset {name!r} has no column {missing[0]!r}; available: {have}")
 
 
-def _load_split(cfg: DataConfig) -> Any:
-    import datasets
-
-    datasets.disable_progress_bars()
+def _load_split(cfg: DataConfig) -> Table:
     source = cfg.dataset
     if source in corpora.BUNDLED:
         folder = corpora.prepare(source, cache_dir())
         path = folder / f"{cfg.split}.jsonl"
         if not path.exists():
             raise AssayError(f"bundled dataset {source!r} has splits train and eval, not {cfg.split!r}")
-        return datasets.load_dataset("json", data_files=str(path), split="train")
+        return Table.from_jsonl(path)
     path = Path(source)
     if path.is_file():
-        return _load_file(path)
+        return _load_file(path, cfg)
     if path.is_dir():
-        return _load_folder(path, cfg.split)
+        return _kept(_load_folder(path, cfg.split), cfg)
     if source.startswith((".", "/", "~")) or Path(source).suffix in (*FILE_BUILDERS, ".txt"):
         raise AssayError(f"dataset file {source!r} not found")
-    return _load_hub(cfg)
+    return _kept(_load_hub(cfg), cfg)
 
 
-def _load_file(path: Path) -> Any:
+def _kept(dataset: Any, cfg: DataConfig) -> Table:
+    """The columns of a `datasets.Dataset` a run reads, after checking that it has them."""
+    needed = [*_text_columns(cfg), *([cfg.filter_column] if cfg.filter_column else [])]
+    _require_columns(dataset, needed, cfg.dataset)
+    return Table.from_dataset(dataset, needed)
+
+
+def _datasets() -> Any:
     import datasets
 
+    datasets.disable_progress_bars()
+    return datasets
+
+
+def _load_file(path: Path, cfg: DataConfig) -> Table:
     if path.stat().st_size == 0:
         raise AssayError(f"dataset file {path} is empty")
+    if path.suffix == ".jsonl":
+        return Table.from_jsonl(path)
     if path.suffix == ".txt":
-        return datasets.load_dataset("text", data_files=str(path), split="train", sample_by="paragraph")
+        text = _datasets().load_dataset("text", data_files=str(path), split="train", sample_by="paragraph")
+        return _kept(text, cfg)
     builder = FILE_BUILDERS.get(path.suffix)
     if builder is None:
         raise AssayError(f"{path}: unsupported file type; use .jsonl, .json, .parquet, .csv or .txt")
     try:
-        return datasets.load_dataset(builder, data_files=str(path), split="train")
+        loaded = _datasets().load_dataset(builder, data_files=str(path), split="train")
     except Exception as e:  # datasets raises many types for malformed files
         raise AssayError(f"could not read {path}: {first_line(e)}") from None
+    return _kept(loaded, cfg)
 
 
 def _load_folder(path: Path, split: str) -> Any:
-    import datasets
-
+    datasets = _datasets()
     try:
         loaded = datasets.load_from_disk(str(path))
     except FileNotFoundError:
@@ -107,10 +127,8 @@ def _load_folder(path: Path, split: str) -> Any:
 
 
 def _load_hub(cfg: DataConfig) -> Any:
-    import datasets
-
     try:
-        return datasets.load_dataset(cfg.dataset, cfg.subset, split=cfg.split)
+        return _datasets().load_dataset(cfg.dataset, cfg.subset, split=cfg.split)
     except Exception as e:
         raise AssayError(
             f"dataset {cfg.dataset!r} is not a file, a folder, a bundled alias "
@@ -188,11 +206,11 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def tokenize(table: Any, cfg: DataConfig, tokenizer: Any) -> Examples:
+def tokenize(table: Table, cfg: DataConfig, tokenizer: Any) -> Examples:
     """Tokenize every row once (cached by dataset, tokenizer and options)."""
     key = json.dumps(
         [
-            table._fingerprint,
+            table.fingerprint,
             tokenizer_fingerprint(tokenizer),
             cfg.text_column,
             cfg.prompt_column,
@@ -210,7 +228,7 @@ def tokenize(table: Any, cfg: DataConfig, tokenizer: Any) -> Examples:
     return examples
 
 
-def _tokenize_rows(table: Any, cfg: DataConfig, tokenizer: Any) -> Examples:
+def _tokenize_rows(table: Table, cfg: DataConfig, tokenizer: Any) -> Examples:
     eos = tokenizer.eos_token_id
 
     def encode(column: str, special: bool) -> list[list[int]]:
@@ -235,7 +253,7 @@ def _tokenize_rows(table: Any, cfg: DataConfig, tokenizer: Any) -> Examples:
     )
 
 
-def load_examples(cfg: DataConfig, tokenizer: Any) -> tuple[Any, Examples]:
+def load_examples(cfg: DataConfig, tokenizer: Any) -> tuple[Table, Examples]:
     """The table (for texts and metadata) and its tokenized examples, row for row."""
     table = load_table(cfg)
     examples = tokenize(table, cfg, tokenizer)
@@ -298,8 +316,8 @@ def collate(
     return {"input_ids": ids.to(device), "attention_mask": mask.to(device), "labels": labels.to(device)}
 
 
-def texts_of(table: Any, cfg: DataConfig) -> list[str]:
+def texts_of(table: Table, cfg: DataConfig) -> list[str]:
     """The readable text of each row (prompt + completion when those columns are used)."""
-    if cfg.prompt_column:
+    if cfg.prompt_column and cfg.completion_column:
         return [f"{p}{c}" for p, c in zip(table[cfg.prompt_column], table[cfg.completion_column])]
     return [str(t) for t in table[cfg.text_column]]

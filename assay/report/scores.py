@@ -186,7 +186,6 @@ def latent_in_queries(run: Run, index_path: Path, texts: dict[str, str]) -> dict
     Shows where in each query the feature fires, i.e. which tokens the query gradient comes from.
     The model and tokenizer are the index's; the texts are tokenized as `assay score` does.
     """
-    import datasets
     import torch
 
     from assay.attribution.index import open_index
@@ -195,6 +194,7 @@ def latent_in_queries(run: Run, index_path: Path, texts: dict[str, str]) -> dict
     from assay.core.models import load_model, load_tokenizer
     from assay.core.precision import PrecisionPolicy
     from assay.core.runs import config_from_dict
+    from assay.core.table import Table
     from assay.latent_attribution import load_sae
     from assay.report.features import _context, _latents
     from assay.report.sae import context_html
@@ -206,7 +206,7 @@ def latent_in_queries(run: Run, index_path: Path, texts: dict[str, str]) -> dict
     model = load_model(model_cfg, PrecisionPolicy.resolve("fp32", "cpu")).eval()
     sae = load_sae(run.config["query_sae"]).to("cpu")
     ids = list(texts)
-    table = datasets.Dataset.from_dict({"text": [texts[i] for i in ids], ID_COLUMN: list(range(len(ids)))})
+    table = Table.from_columns({"text": [texts[i] for i in ids], ID_COLUMN: list(range(len(ids)))})
     examples = tokenize(
         table, DataConfig(dataset="query_text", max_length=int(meta["data"]["max_length"])), tokenizer
     )
