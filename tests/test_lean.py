@@ -156,3 +156,65 @@ def test_compute_casts_leave_lora_adapters_alone():
     assert keep_compute_casts(model, policy) > 0
     assert all(p.dtype == torch.float32 for n, p in model.named_parameters() if "lora_" in n)
     assert torch.equal(before, rows())
+
+
+def test_llama_form_rmsnorms_share_llamas_forward():
+    """The written-out RMSNorm backward is Llama's: every class it is used for has that forward."""
+    import importlib
+    import inspect
+
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    llama = inspect.getsource(LlamaRMSNorm.forward)
+    for name in lean.LLAMA_RMSNORM_TYPES:
+        family = name[: -len("RMSNorm")].lower()
+        module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+        assert inspect.getsource(getattr(module, name).forward) == llama, name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_written_out_backwards_match_autograd_bit_for_bit(dtype):
+    """Norm and gated MLP on a residual stream (x feeds both, as in a decoder layer), width 48
+    (not a power of two), random weights: outputs and input gradients equal the plain module's."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
+
+    torch.manual_seed(0)
+    block = torch.nn.ModuleDict(
+        {
+            "norm": LlamaRMSNorm(48),
+            "mlp": LlamaMLP(LlamaConfig(hidden_size=48, intermediate_size=80, num_attention_heads=4)),
+        }
+    )
+    block.norm.weight.data.normal_()
+    block.requires_grad_(False)
+
+    def run():
+        x = torch.randn(3, 7, 48, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            out = x + block.mlp(block.norm(x))
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(2), dtype=out.dtype))
+        return out, x.grad
+
+    plain = run()
+    with recompute_elementwise(block) as switched:
+        assert switched == 2
+        written = run()
+    assert torch.equal(written[0], plain[0]) and torch.equal(written[1], plain[1])
+
+
+def test_trainable_or_low_precision_norms_keep_the_checkpoint(monkeypatch):
+    """The written-out norm only for an fp32 input and a frozen fp32 weight."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    used = []
+    monkeypatch.setattr(lean._FrozenRMSNorm, "apply", lambda *a: used.append(1) or a[0])
+    norm = LlamaRMSNorm(8)
+    x = torch.randn(2, 8, requires_grad=True)
+    with recompute_elementwise(norm):
+        norm(x)  # trainable weight: needs its gradient
+        norm.weight.requires_grad_(False)
+        norm(x.bfloat16())  # bf16 input
+        assert not used
+        norm(x)
+    assert used == [1]

@@ -10,9 +10,12 @@ take memory there that the results never depend on:
   this is for frozen models only.)
 - **Elementwise intermediates kept for backward.** A SwiGLU MLP keeps its gate, the gate's
   activation and the up projection; an RMSNorm that upcasts keeps an fp32 copy of its input.
-  `recompute_elementwise` has those cheap elementwise steps recomputed in backward (PyTorch's
-  non-reentrant checkpoint around them only), so only their inputs are kept: the same ops on
-  the same inputs, hence the same numbers.
+  `recompute_elementwise` keeps only their inputs: the same ops on the same inputs, hence the
+  same numbers. A silu gate and a frozen Llama-form RMSNorm of an fp32 input get a backward
+  written out (`_SiluGate`, `_FrozenRMSNorm`: autograd's own derivative ops, in place where
+  it can be), other forms PyTorch's non-reentrant checkpoint around the elementwise steps.
+  Fewer activation-sized buffers matter on CPU: each is a fresh mapping the kernel zeroes and
+  faults in (see `assay.core.memory`).
 - **Repeated keys and values.** With grouped-query attention, transformers copies each key and
   value head once per query head it serves before calling SDPA (unless it can pass SDPA's own
   `enable_gqa`, which it does on CPU only without a padding mask), and SDPA keeps the copies for
@@ -29,6 +32,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -36,6 +40,19 @@ from assay.core.hooks import is_linear
 from assay.core.precision import PrecisionPolicy
 
 SWIGLU_PARTS = ("gate_proj", "up_proj", "down_proj", "act_fn")
+SILU_TYPES = ("SiLU", "SiLUActivation")  # torch's and transformers' silu modules
+# RMSNorms whose forward is Llama's, line for line (tests/test_lean.py compares the sources)
+LLAMA_RMSNORM_TYPES = frozenset(
+    {
+        "LlamaRMSNorm",
+        "MistralRMSNorm",
+        "MixtralRMSNorm",
+        "Qwen2RMSNorm",
+        "Qwen3RMSNorm",
+        "Phi3RMSNorm",
+        "SmolLM3RMSNorm",
+    }
+)
 
 
 def keep_compute_casts(model: nn.Module, policy: PrecisionPolicy) -> int:
@@ -102,24 +119,85 @@ def _recomputed(fn: Callable[..., torch.Tensor], *args: torch.Tensor) -> torch.T
     return out
 
 
+class _SiluGate(torch.autograd.Function):
+    """silu(gate) * up keeping only gate and up: autograd's own backward ops, fewer buffers.
+
+    The forward is transformers' two ops (the product written in place); the backward applies
+    the derivatives autograd would (MulBackward's two products, then `silu_backward`) to the
+    recomputed silu(gate), so the numbers are the same bit for bit, and it allocates three
+    activation-sized buffers where a checkpoint's recomputation plus autograd allocate five.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate).mul_(up)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        gate, up = ctx.saved_tensors
+        d_up = F.silu(gate).mul_(grad)
+        d_gate = torch.ops.aten.silu_backward(grad * up, gate)
+        return d_gate, d_up
+
+
+class _FrozenRMSNorm(torch.autograd.Function):
+    """Llama's RMSNorm of an fp32 input with a frozen weight, w ⊙ (x ⊙ rsqrt(mean(x²) + ε)),
+    keeping only x and the per-row rsqrt.
+
+    The forward runs transformers' ops in its order; the backward is the chain rule autograd
+    applies to them, op for op (Mul, Rsqrt, Mean and Pow backward), written with in-place
+    steps: two activation-sized buffers where recomputing the forward under a checkpoint and
+    differentiating it allocate nine. x comes in twice so that its two gradient terms (through
+    x ⊙ rstd and through x²) reach autograd separately and are summed with the residual
+    stream's in the plain graph's order: the same numbers bit for bit.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, x_again: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:  # type: ignore[override]
+        rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return (x * rstd).mul_(weight)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:  # type: ignore[override]
+        x, weight, rstd = ctx.saved_tensors
+        d_normed = grad * weight  # d(w ⊙ n)/dn
+        buffer = d_normed * x
+        d_rstd = buffer.sum(-1, keepdim=True)  # x ⊙ rstd, rstd broadcast over the row
+        d_var = (-0.5 * d_rstd) * rstd.pow(3)  # rsqrt's derivative, as autograd writes it
+        d_squares = torch.mul(x, 2.0, out=buffer).mul_(d_var / x.shape[-1])  # mean, then pow(2)
+        return d_normed.mul_(rstd), d_squares, None, None
+
+
 def _swiglu_forward(mlp: Any) -> Callable[[torch.Tensor], torch.Tensor]:
     """`down(act(gate(x)) * up(x))`, the layers called in the model's own order (hooks see them
     as before); the product is recomputed in backward from gate(x) and up(x)."""
+    silu = type(mlp.act_fn).__name__ in SILU_TYPES  # forwards calling F.silu, nothing else
 
     def gated(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return mlp.act_fn(gate) * up
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        gate = mlp.gate_proj(x)
-        return mlp.down_proj(_recomputed(gated, gate, mlp.up_proj(x)))
+        gate, up = mlp.gate_proj(x), mlp.up_proj(x)
+        if silu and gate.dtype == up.dtype and gate.shape == up.shape and torch.is_grad_enabled():
+            return mlp.down_proj(_SiluGate.apply(gate, up))
+        return mlp.down_proj(_recomputed(gated, gate, up))
 
     return forward
 
 
 def _rmsnorm_forward(norm: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     original = type(norm).forward
+    llama_form = type(norm).__name__ in LLAMA_RMSNORM_TYPES
 
     def forward(x: torch.Tensor) -> torch.Tensor:
+        weight = norm.weight
+        frozen_fp32 = x.dtype == weight.dtype == torch.float32 and not weight.requires_grad
+        if llama_form and frozen_fp32 and torch.is_grad_enabled() and x.requires_grad:
+            return _FrozenRMSNorm.apply(x, x, weight, norm.variance_epsilon)
         return _recomputed(lambda h: original(norm, h), x)
 
     return forward
