@@ -8,7 +8,7 @@ Each case runs in its own subprocess so its peak resident memory (ru_maxrss) is 
              inner, influence and cosine on fp16 rows: fp16 GEMM -> exact scores of the rows
              that may reach the top k (the rows' norms come from the index's norms.npy)
 Usage: python bench/bench_score.py [--rows 100000] [--dim 3584] [--queries 4] [--repeats 3] [--rounds 3]
-                                   [--dtype float16] [--chunk_mib 32 64] [--block_mib 4 8]
+                                   [--dtype float16] [--chunk_mib 32 64] [--block_mib 0.5 1]
 Ratios are medians over rounds of each case's time over the matmul's time in the same round:
 `vs matmul` for the median of the passes after the first, `1st pass` for a process's first
 pass (the only one an `assay score` run makes), both over the matmul's warm time.
@@ -66,14 +66,14 @@ def rss_mib(field: str = "VmRSS") -> float:
 
 
 def run_case(
-    case: str, path: Path, queries: int, repeats: int, chunk_mib: int = 0, block_mib: int = 0
+    case: str, path: Path, queries: int, repeats: int, chunk_mib: int = 0, block_mib: float = 0
 ) -> dict:
     from assay.attribution import kernel
     from assay.attribution.kernel import ArrayRows, plan_queries, score_rows
     from assay.attribution.score import auto_chunk_rows
 
     if block_mib:
-        kernel.STACKED_BLOCK_BYTES = block_mib << 20
+        kernel.BLOCK_BYTES = int(block_mib * 2**20)
 
     rows = np.load(path, mmap_mode="r")
     n, dim = rows.shape
@@ -169,10 +169,11 @@ def main() -> None:
     )
     ap.add_argument(
         "--block_mib",
-        type=int,
+        type=float,
         nargs="+",
         default=[0],
-        help="cached TrackStar's block for its batched product, MiB of fp32 (0: the kernel's own)",
+        help="the exact path's block of fp32 rows per GEMM (cached TrackStar's per bmm), MiB "
+        "(0: the kernel's own)",
     )
     ap.add_argument("--case", help=argparse.SUPPRESS)
     ap.add_argument("--path", help=argparse.SUPPRESS)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from assay.attribution import kernel
 from assay.attribution.kernel import (
     AGGREGATES,
     MODES,
@@ -292,3 +293,21 @@ def test_file_windows_per_slot(tmp_path):
     np.testing.assert_array_equal(again.numpy(), data[3000:5000])
     np.testing.assert_array_equal(first.numpy(), data[:1000])  # still the file's rows, paged back in
     assert source.read_raw(10, 10).shape == (0, 24)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_stacked_blocks_and_a_short_last_block(data, dtype, monkeypatch):
+    """Cached-norm TrackStar on many small blocks per chunk (a short one last, fp16 rows cast
+    through the scratch buffer) equals the brute force on the same stored rows."""
+    train, queries, whitening = data
+    if whitening.slices != EVEN_SLICES:
+        pytest.skip("the stacked path needs equal-width modules")
+    monkeypatch.setattr(kernel, "BLOCK_BYTES", 16 * 4 * train.shape[1])  # 16-row blocks
+    stored = train.astype(dtype)
+    base = base_sq_norms(TensorRows(torch.from_numpy(stored)), whitening, 300)
+    plan = plan_queries(torch.from_numpy(queries), "trackstar", "none", whitening, base)
+    assert plan.stacked is not None
+    out = np.zeros((len(queries), len(train)), dtype=np.float32)
+    score_rows(TensorRows(torch.from_numpy(stored)), plan, scores_out=out, chunk_rows=97)  # 6 × 16 + 1
+    ref = _reference(stored.astype(np.float32), queries, whitening, "trackstar", "none")
+    np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max())

@@ -44,11 +44,6 @@ MODES: tuple[str, ...] = ("trackstar", "cosine", "inner", "influence")
 AGGREGATES: tuple[str, ...] = ("none", "mean", "max")
 EPS = 1e-30
 BLOCK_BYTES = 1 << 20  # fp32 rows scored at once: stays in a core's L2 cache
-# A stacked plan reads each block once (one bmm), so it has no cache to stay in; its dozen small
-# ops per block cost more than the block's arithmetic at small blocks: 6 MiB beat 4 and 8 on
-# fp32 rows and 4 on fp16 ones, and tied with 8 there
-# (`bench/bench_score.py --cases matmul,trackstar-cached --block_mib 4 6 8`, docs/BENCHMARKS.md).
-STACKED_BLOCK_BYTES = 6 << 20
 
 
 class RowSource(Protocol):
@@ -354,14 +349,17 @@ def chunk_scores(plan: QueryPlan, rows: torch.Tensor, start: int = 0) -> torch.T
 
     Rows are cast to fp32 and scored a cache-sized block at a time (see the module docstring).
     """
-    out = torch.empty(plan.vectors.shape[0], rows.shape[0])  # [A, C]
-    step = max(16, (STACKED_BLOCK_BYTES if plan.stacked is not None else BLOCK_BYTES) // (4 * rows.shape[1]))
-    scratch = _scratch(step, rows.shape[1], rows.device) if rows.dtype != STATS_DTYPE else None
-    for s in range(0, rows.shape[0], step):
-        block = rows[s : s + step]
-        if scratch is not None:  # cast into a reused buffer: no allocation (and page faults) per block
-            block = scratch[: block.shape[0]].copy_(block)
-        out[:, s : s + step] = block_scores(plan, block, start + s)
+    if plan.stacked is not None:
+        out = stacked_scores(plan, rows, start)
+    else:
+        out = torch.empty(plan.vectors.shape[0], rows.shape[0])  # [A, C]
+        step = max(16, BLOCK_BYTES // (4 * rows.shape[1]))
+        scratch = _scratch(step, rows.shape[1], rows.device) if rows.dtype != STATS_DTYPE else None
+        for s in range(0, rows.shape[0], step):
+            block = rows[s : s + step]
+            if scratch is not None:  # cast into a reused buffer: no allocation (and page faults) per block
+                block = scratch[: block.shape[0]].copy_(block)
+            out[:, s : s + step] = block_scores(plan, block, start + s)
     if plan.reduce_max:
         return out.max(dim=0, keepdim=True).values
     return out
@@ -441,15 +439,32 @@ def block_scores(
 
 
 def stacked_scores(plan: QueryPlan, rows: torch.Tensor, start: int) -> torch.Tensor:
-    """`block_scores` for "lowrank" plans with a StackedModules: one bmm for scores and norms."""
+    """[A, C] scores of rows [C, D] (any float dtype) for "lowrank" plans with a StackedModules.
+
+    Per block of rows one bmm gives every module's scores and Woodbury terms; the sums over
+    modules, the correction and the division run once for the whole chunk: per block, those
+    dozen small ops cost more than the block's arithmetic.
+    """
     assert plan.stacked is not None and plan.base_norms is not None and plan.whitening is not None
     assert plan.whitening.lowrank is not None
     weights = plan.stacked.weights  # [M, A+Q, d]
-    modules, num_scores, width = weights.shape[0], plan.vectors.shape[0], weights.shape[2]
-    both = torch.bmm(weights, rows.view(-1, modules, width).permute(1, 2, 0))  # [M, A+Q, c]
-    scores = both[:, :num_scores].sum(dim=0)  # [A, c]
-    correction = both[:, num_scores:].double().square().sum(dim=(0, 1))  # Σ_m ‖L_mᵀ s_m‖²
-    base = plan.base_norms[start : start + rows.shape[0]] * plan.whitening.lowrank.base_scale
+    modules, width = weights.shape[0], weights.shape[2]
+    num_rows, num_scores = rows.shape[0], plan.vectors.shape[0]
+    step = max(16, min(num_rows, BLOCK_BYTES // (4 * rows.shape[1])))
+    both = torch.empty(-(-num_rows // step), modules, weights.shape[1], step)  # [blocks, M, A+Q, step]
+    scratch = _scratch(step, rows.shape[1], rows.device) if rows.dtype != STATS_DTYPE else None
+    for b, s in enumerate(range(0, num_rows, step)):
+        block = rows[s : s + step]
+        if scratch is not None:  # cast into a reused buffer: no allocation (and page faults) per block
+            block = scratch[: block.shape[0]].copy_(block)
+        per_module = block.view(-1, modules, width).permute(1, 2, 0)  # [M, d, c]
+        if block.shape[0] == step:
+            torch.bmm(weights, per_module, out=both[b])
+        else:  # the last, shorter block
+            both[b, :, :, : block.shape[0]] = torch.bmm(weights, per_module)
+    scores = both[:, :, :num_scores].sum(dim=1).permute(1, 0, 2).reshape(num_scores, -1)[:, :num_rows]
+    correction = both[:, :, num_scores:].double().square().sum(dim=(1, 2)).reshape(-1)[:num_rows]
+    base = plan.base_norms[start : start + num_rows] * plan.whitening.lowrank.base_scale
     sq = base - correction  # fp64: for a row close to a query the two nearly cancel
     return scores / sq.clamp_min(0).sqrt().float().clamp_min(EPS)
 
