@@ -71,7 +71,9 @@ def run_case(
     from assay.attribution import kernel
     from assay.attribution.kernel import ArrayRows, plan_queries, score_rows
     from assay.attribution.score import auto_chunk_rows
+    from assay.core.memory import return_freed_memory
 
+    return_freed_memory()  # as the `assay` command does
     if block_mib:
         kernel.BLOCK_BYTES = int(block_mib * 2**20)
 

@@ -381,7 +381,8 @@ def screened_chunk(
     top_cut = lower.topk(k, dim=1).values[:, -1:]  # k rows score at least this
     bottom_cut = upper.topk(k, dim=1, largest=False).values[:, -1:]
     picked = ((upper >= top_cut) | (lower <= bottom_cut)).any(0).nonzero().squeeze(1)
-    exact = block_scores(plan, rows[picked].float(), start, picked + start)
+    candidates = _scratch(len(picked), rows.shape[1], rows.device).copy_(rows[picked])
+    exact = block_scores(plan, candidates, start, picked + start)
     if plan.reduce_max:
         exact = exact.amax(0, keepdim=True)
     return exact, picked + start
@@ -407,15 +408,23 @@ def screen_bounds(
     return approx, err
 
 
-_thread_scratch = threading.local()
+_thread_buffers = threading.local()
+
+
+def _reused(name: str, *shape: int, device: torch.device, dtype: torch.dtype = STATS_DTYPE) -> torch.Tensor:
+    """This thread's buffer `name` viewed as `shape`, grown when too small: no fresh allocation
+    per block or chunk (on CPU each is a new mapping to fault in; see assay.core.memory)."""
+    numel = int(np.prod(shape))
+    buf = getattr(_thread_buffers, name, None)
+    if buf is None or buf.numel() < numel or buf.device != device or buf.dtype != dtype:
+        buf = torch.empty(numel, dtype=dtype, device=device)
+        setattr(_thread_buffers, name, buf)
+    return buf[:numel].view(shape)
 
 
 def _scratch(rows: int, dim: int, device: torch.device) -> torch.Tensor:
-    """This thread's reusable [rows, dim] fp32 block buffer."""
-    buf = getattr(_thread_scratch, "buf", None)
-    if buf is None or buf.shape[0] < rows or buf.shape[1] != dim or buf.device != device:
-        buf = _thread_scratch.buf = torch.empty(rows, dim, dtype=STATS_DTYPE, device=device)
-    return buf
+    """This thread's reusable [rows, dim] fp32 block buffer (casts of fp16 rows)."""
+    return _reused("scratch", rows, dim, device=device)
 
 
 def block_scores(
@@ -451,7 +460,7 @@ def stacked_scores(plan: QueryPlan, rows: torch.Tensor, start: int) -> torch.Ten
     modules, width = weights.shape[0], weights.shape[2]
     num_rows, num_scores = rows.shape[0], plan.vectors.shape[0]
     step = max(16, min(num_rows, BLOCK_BYTES // (4 * rows.shape[1])))
-    both = torch.empty(-(-num_rows // step), modules, weights.shape[1], step)  # [blocks, M, A+Q, step]
+    both = _reused("stacked", -(-num_rows // step), modules, weights.shape[1], step, device=rows.device)
     scratch = _scratch(step, rows.shape[1], rows.device) if rows.dtype != STATS_DTYPE else None
     for b, s in enumerate(range(0, num_rows, step)):
         block = rows[s : s + step]
@@ -463,7 +472,9 @@ def stacked_scores(plan: QueryPlan, rows: torch.Tensor, start: int) -> torch.Ten
         else:  # the last, shorter block
             both[b, :, :, : block.shape[0]] = torch.bmm(weights, per_module)
     scores = both[:, :, :num_scores].sum(dim=1).permute(1, 0, 2).reshape(num_scores, -1)[:, :num_rows]
-    correction = both[:, :, num_scores:].double().square().sum(dim=(1, 2)).reshape(-1)[:num_rows]
+    terms = both[:, :, num_scores:]  # fp64 for the sum of squares, in a reused buffer
+    terms = _reused("terms", *terms.shape, device=rows.device, dtype=torch.float64).copy_(terms)
+    correction = terms.square_().sum(dim=(1, 2)).reshape(-1)[:num_rows]
     base = plan.base_norms[start : start + num_rows] * plan.whitening.lowrank.base_scale
     sq = base - correction  # fp64: for a row close to a query the two nearly cancel
     return scores / sq.clamp_min(0).sqrt().float().clamp_min(EPS)
