@@ -68,7 +68,7 @@ class BuildConfig:
     """Most tokens (padding included) per batch; bounds memory."""
     store_dtype: Literal["float32", "float16"] = "float32"
     """Dtype of the stored rows. float32 is exact and cannot overflow; float16 halves the disk,
-    lets `assay score` screen rows with fp16 GEMMs (inner, influence and cosine 1.5–1.6× faster
+    lets `assay score` screen rows with fp16 GEMMs (inner, influence and cosine 1.4–1.6× faster
     than on float32 rows; docs/BENCHMARKS.md), and fails with a clear error (never silently) if
     a value exceeds 65504."""
     normalizer: Literal["none", "adafactor", "adam"] = "none"
