@@ -30,7 +30,7 @@ from assay.core.paths import cache_dir  # noqa: E402
 from assay.core.precision import PrecisionPolicy  # noqa: E402
 from assay.sae import train as train_mod  # noqa: E402
 from assay.sae.activations import LMActivations, pack_contexts, write_cache  # noqa: E402
-from assay.sae.config import SaeArchConfig  # noqa: E402
+from assay.sae.config import SIGNUM_AUX_WINDOW, SaeArchConfig  # noqa: E402
 from assay.sae.metrics import DeadLatents  # noqa: E402
 from assay.sae.model import SparseAutoencoder  # noqa: E402
 from assay.sae.optim import averaged  # noqa: E402
@@ -93,6 +93,7 @@ def run_ours(
     torch.manual_seed(args.seed)
     d_in = train.shape[1]
     kw = {"k": args.k, "sparse_kernels": sparse, "decoder_init": init, "aux_coefficient": args.aux}
+    kw["aux_k"] = args.aux_k
     arch = SaeArchConfig(architecture=args.architecture, **kw)  # type: ignore[arg-type]
     sae = SparseAutoencoder(d_in, d_sae, arch)
     with torch.no_grad():
@@ -106,7 +107,8 @@ def run_ours(
     signum = (args.signum_warmup, args.signum_decay)
     warmup, decay = signum if args.optimizer == "signum" else (args.warmup, args.decay)
     policy = PrecisionPolicy.resolve(precision)
-    dead = DeadLatents(d_sae, window=DEAD_WINDOW_STEPS * args.batch)
+    aux_window = args.aux_window or (SIGNUM_AUX_WINDOW if args.optimizer == "signum" else None)
+    dead = DeadLatents(d_sae, window=DEAD_WINDOW_STEPS * args.batch, aux_window=aux_window)
     timer = Timer()
     for i, x in enumerate(data):
         timer.step(i)
@@ -127,6 +129,8 @@ def run_ours(
         "optimizer": args.optimizer + (f"-{args.renorm}" if args.optimizer == "signum" else ""),
         "schedule": [warmup, decay] + ([args.momentum, args.r] if args.optimizer == "signum" else []),
         "aux_coefficient": arch.aux_coefficient,
+        "aux_window": dead.aux_window,
+        "aux_k": sae.aux_k,
         "seed": args.seed,
     }
 
@@ -216,6 +220,10 @@ def main() -> None:
     p.add_argument("--r", type=float, default=1.0, help="signum: polynomial averaging weight k^r")
     p.add_argument("--momentum", type=float, default=0.98, help="signum: schedule-free beta")
     p.add_argument("--aux", type=float, default=1 / 32, help="AuxK coefficient")
+    p.add_argument("--aux_k", type=int, default=None, help="AuxK latents per token (default d_in / 2)")
+    p.add_argument(
+        "--aux_window", type=int, default=None, help="AuxK: silent this many tokens (default: assay's)"
+    )
     p.add_argument("--seed", type=int, default=0, help="batch order and initialisation")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--out", type=Path, default=None)

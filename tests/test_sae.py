@@ -179,6 +179,15 @@ def test_dead_latent_counting_over_a_token_window() -> None:
     assert dead.mask().tolist() == [False, True, False, False]  # latent 1: 120 tokens silent
     assert dead.since.tolist() == [40, 120, 0, 40]
     assert dead.fraction() == 0.25
+    assert dead.aux_mask().tolist() == dead.mask().tolist()  # AuxK's window defaults to the same
+    short = DeadLatents(4, window=100, aux_window=40)
+    short.update(torch.tensor([3, 0, 0, 1]), 40)
+    assert short.aux_mask().tolist() == [False, True, True, False] and short.fraction() == 0.0
+
+
+def test_auxk_revives_k_latents_per_token_unless_told() -> None:
+    assert SparseAutoencoder(8, 32, SaeArchConfig(architecture="topk", k=4)).aux_k == 4
+    assert SparseAutoencoder(8, 32, SaeArchConfig(architecture="topk", k=4, aux_k=6)).aux_k == 6
 
 
 def test_reconstruction_stats_equal_whole_batch_numpy_reference() -> None:

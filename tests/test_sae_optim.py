@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from assay.core.errors import AssayError
-from assay.sae.config import SaeArchConfig, SaeTrainConfig
+from assay.sae.config import SIGNUM_AUX_WINDOW, SaeArchConfig, SaeTrainConfig
 from assay.sae.optim import ScheduleFreeSignSGD, averaged
 from assay.sae.train import default_learning_rate, make_optimizer, normalise_decoder
 
@@ -40,15 +40,19 @@ def _reference(
     return ys, x
 
 
-@pytest.mark.parametrize(("beta", "r"), [(0.95, 0.0), (0.98, 1.0)])  # sparsify's; assay's default
-def test_signum_follows_the_schedule_free_recurrence_computed_directly(beta: float, r: float) -> None:
+# sparsify's; assay's default; with a step scale (the reference takes it as scaled rates, which
+# leaves the averaging weights' ratios unchanged)
+@pytest.mark.parametrize(("beta", "r", "scale"), [(0.95, 0.0, 1.0), (0.98, 1.0, 1.0), (0.98, 1.0, 0.37)])
+def test_signum_follows_the_schedule_free_recurrence_computed_directly(
+    beta: float, r: float, scale: float
+) -> None:
     rng = np.random.default_rng(0)
     w0, a = rng.normal(size=(6, 5)), rng.choice([-1.0, 1.0], size=(6, 5)) * rng.uniform(0.5, 1, (6, 5))
     targets = [rng.normal(size=(6, 5)) for _ in range(6)]
     lrs = [0.02, 0.05, 0.1, 0.1, 0.03, 0.08]  # a warm-up, then a dip: lr_max differs from lr
-    ys, x = _reference(w0, a, targets, lrs, beta, r)
+    ys, x = _reference(w0, a, targets, [lr * scale for lr in lrs], beta, r)
     p = torch.nn.Parameter(torch.tensor(w0, dtype=torch.float32))
-    opt = ScheduleFreeSignSGD([p], lr=lrs[0], momentum=beta, r=r)
+    opt = ScheduleFreeSignSGD([{"params": [p], "step_scale": scale}], lr=lrs[0], momentum=beta, r=r)
     a_t = torch.tensor(a, dtype=torch.float32)
     for t, lr, y_ref in zip(targets, lrs, ys):
         opt.param_groups[0]["lr"] = lr
@@ -121,6 +125,28 @@ def test_unit_decoder_rows_stay_unit_at_the_base_and_averaged_points() -> None:
         torch.testing.assert_close(sae.W_dec.detach().norm(dim=1), torch.ones(64))  # the saved SAE
 
 
+def test_signum_steps_the_encoder_in_proportion_to_its_fitted_size() -> None:
+    """After the fitted unit start W_enc is c times W_dec's transpose: its sign steps are
+    lr * c * SIGNUM_ENCODER_STEP per entry, every other parameter's lr."""
+    from assay.sae.model import SparseAutoencoder
+    from assay.sae.train import SIGNUM_ENCODER_STEP
+
+    torch.manual_seed(0)
+    sae = SparseAutoencoder(16, 64, SaeArchConfig(architecture="topk", k=4))
+    x = torch.randn(256, 16) * 3 + 1
+    c = sae.fit_encoder_scale(x)
+    assert 0 < c < 0.9  # the plain transpose over-shoots, so the fit shrinks the encoder
+    opt = make_optimizer(sae, 0.05, "signum")
+    start = {n: q.detach().clone() for n, q in sae.named_parameters()}
+    sae.train_forward(x, None, 0.0).loss.backward()
+    opt.step()
+    for name, q in sae.named_parameters():
+        moved = (opt.state[q]["z"] - start[name]).abs()
+        step = 0.05 * (c * SIGNUM_ENCODER_STEP if name == "W_enc" else 1.0)
+        assert float(moved.max()) == pytest.approx(step, rel=1e-4), name
+        assert bool(((moved < 1e-7) | ((moved - step).abs() < 1e-5)).all()), name  # 0 or one step
+
+
 def test_optimizer_option_resolves_and_round_trips_through_json() -> None:
     from assay.core.runs import config_from_dict, config_to_dict
 
@@ -134,8 +160,13 @@ def test_optimizer_option_resolves_and_round_trips_through_json() -> None:
     assert (explicit.optimizer_name, explicit.warmup_steps, explicit.decay_fraction) == ("adam", 3, 0.2)
     back = config_from_dict(SaeTrainConfig, config_to_dict(explicit))
     assert back == explicit
-    assert default_learning_rate(2**14, True, "signum") == pytest.approx(5e-3)
-    assert default_learning_rate(2**16, True, "signum") == pytest.approx(2.5e-3)
+    assert default_learning_rate(2**14, True, "signum") == pytest.approx(7e-3)
+    assert default_learning_rate(2**16, True, "signum") == pytest.approx(3.5e-3)
+    # AuxK's window: short with signum, the dead-latent window with adam, or as given
+    assert (cfg.aux_window, explicit.aux_window) == (SIGNUM_AUX_WINDOW, explicit.dead_window_tokens)
+    assert SaeTrainConfig(out="o", optimizer="adam", aux_window_tokens=512).aux_window == 512
+    with pytest.raises(AssayError, match="--aux_window_tokens must be positive"):
+        SaeTrainConfig(out="o", aux_window_tokens=0)
 
 
 def test_unknown_optimizer_is_a_one_line_error(capsys) -> None:  # type: ignore[no-untyped-def]

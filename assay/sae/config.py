@@ -18,6 +18,7 @@ Architecture = Literal["relu", "topk", "batchtopk", "jumprelu"]
 ARCHITECTURES: tuple[str, ...] = ("relu", "topk", "batchtopk", "jumprelu")
 DecoderInit = Literal["auto", "unit", "small"]
 OPTIMIZERS: tuple[str, ...] = ("auto", "adam", "signum")
+SIGNUM_AUX_WINDOW = 16_384  # signum's default --aux_window_tokens (measured: docs/BENCHMARKS.md)
 FP16_REFUSAL = (
     "--precision fp16 is not supported for SAE training: it degraded SAE training badly and its "
     "loss scaling makes runs fragile; use --precision bf16 (fp32's exponent range) or fp32"
@@ -49,7 +50,8 @@ class SaeArchConfig:
     jumprelu_init_threshold: float = 0.01
     """Initial JumpReLU threshold (on normalised activations)."""
     aux_k: int | None = None
-    """Latents the AuxK loss revives per token (topk/batchtopk; default d_in / 2)."""
+    """Latents the AuxK loss revives per token (topk/batchtopk; default k, so it costs what the
+    main code does; Gao et al. use d_in / 2, which measured no better here: docs/BENCHMARKS.md)."""
     aux_coefficient: float = 1 / 32
     """Weight of the AuxK loss against dead latents (0 switches it off)."""
     decoder_init: DecoderInit = "auto"
@@ -140,7 +142,11 @@ class SaeTrainConfig:
     grad_clip: float = 1.0
     """Clip the gradient norm to this (0: off)."""
     dead_window_tokens: int = 1_000_000
-    """A latent is dead when it has not fired for this many tokens."""
+    """A latent is dead when it has not fired for this many tokens (the reported fraction)."""
+    aux_window_tokens: int | None = None
+    """The AuxK loss trains latents that have not fired for this many tokens (topk/batchtopk;
+    default: 16,384 with signum, which then keeps far fewer latents dead; --dead_window_tokens
+    with adam, which a short window leaves with more dead: docs/BENCHMARKS.md)."""
     metrics_every: int = 20
     """Steps between lines of metrics.jsonl."""
     eval_every: int = 0
@@ -177,6 +183,8 @@ class SaeTrainConfig:
             raise AssayError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
         if not 0 < self.signum_momentum <= 1 or self.signum_average_power < 0:
             raise AssayError("--signum_momentum must lie in (0, 1] and --signum_average_power be >= 0")
+        if min(self.dead_window_tokens, self.aux_window) <= 0:
+            raise AssayError("--dead_window_tokens and --aux_window_tokens must be positive")
         if self.lr_warmup_steps is not None and self.lr_warmup_steps < 0:
             raise AssayError("--lr_warmup_steps must be >= 0")
         if not 0 <= self.decay_fraction <= 1 or not 0 <= self.l1_warmup_fraction <= 1:
@@ -208,6 +216,13 @@ class SaeTrainConfig:
         if self.lr_decay_fraction is not None:
             return self.lr_decay_fraction
         return 0.0 if self.optimizer_name == "signum" else 0.2
+
+    @property
+    def aux_window(self) -> int:
+        """--aux_window_tokens, or the optimizer's default."""
+        if self.aux_window_tokens is not None:
+            return self.aux_window_tokens
+        return SIGNUM_AUX_WINDOW if self.optimizer_name == "signum" else self.dead_window_tokens
 
 
 def check_sae_precision(name: str) -> None:

@@ -67,11 +67,13 @@ class ReconstructionStats:
 
 
 class DeadLatents:
-    """Tokens since each latent last fired; a latent is dead past `window` tokens."""
+    """Tokens since each latent last fired; a latent is dead past `window` tokens (the metric)
+    and an AuxK target past `aux_window` tokens (default: the same)."""
 
-    def __init__(self, d_sae: int, window: int):
+    def __init__(self, d_sae: int, window: int, aux_window: int | None = None):
         self.since = torch.zeros(d_sae, dtype=torch.int64)
         self.window = window
+        self.aux_window = window if aux_window is None else aux_window
 
     def update(self, counts: Tensor, n_tokens: int) -> None:
         """counts [d_sae]: tokens of a batch of n_tokens on which each latent fired."""
@@ -80,6 +82,9 @@ class DeadLatents:
 
     def mask(self) -> Tensor:
         return self.since >= self.window
+
+    def aux_mask(self) -> Tensor:
+        return self.since >= self.aux_window
 
     def fraction(self) -> float:
         return float(self.mask().double().mean())

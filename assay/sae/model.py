@@ -227,7 +227,7 @@ class SparseAutoencoder(nn.Module):
 
     @property
     def aux_k(self) -> int:
-        return self.arch.aux_k or max(self.d_in // 2, 1)
+        return self.arch.aux_k or self.arch.k
 
     def threshold(self) -> Tensor:
         """[d_sae] JumpReLU threshold (learned) or BatchTopK's inference threshold."""

@@ -1,7 +1,7 @@
 """Schedule-free sign-SGD ("signum"): Defazio et al.'s schedule-free averaging around sign-SGD.
 
 Three points per parameter (all fp32, same shape as the parameter):
-  z  the base iterate: z <- z - lr * sign(grad)
+  z  the base iterate: z <- z - lr * s * sign(grad)  (s: the group's "step_scale", default 1)
   x  the running average of the z's (the evaluation point): x <- (1 - c) x + c z,
      c = w_k / sum(w) with w_k = k^r * lr_max^2 at step k (lr_max: the largest rate so far)
   y  the point where gradients are taken: y = beta * x + (1 - beta) * z
@@ -25,10 +25,11 @@ import torch
 class ScheduleFreeSignSGD(torch.optim.Optimizer):
     """Schedule-free sign-SGD; parameters hold y while training (see the module docstring)."""
 
-    def __init__(self, params: Iterable[torch.Tensor], lr: float, momentum: float = 0.95, r: float = 0.0):
+    def __init__(self, params: Iterable[Any], lr: float, momentum: float = 0.95, r: float = 0.0):
+        """params: tensors, or groups (dicts) that may set their own "step_scale"."""
         if lr <= 0 or not 0 < momentum <= 1 or r < 0:
             raise ValueError(f"need lr > 0, 0 < momentum <= 1, r >= 0; got {lr}, {momentum}, {r}")
-        super().__init__(params, {"lr": lr, "momentum": momentum, "r": r})
+        super().__init__(params, {"lr": lr, "momentum": momentum, "r": r, "step_scale": 1.0})
         self.train_mode = True
 
     def _point(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -57,7 +58,7 @@ class ScheduleFreeSignSGD(torch.optim.Optimizer):
                     continue
                 state = self._point(p)
                 z, x = state["z"], state["x"]
-                z.add_(p.grad.sign(), alpha=-lr)
+                z.add_(p.grad.sign(), alpha=-lr * group["step_scale"])
                 x.lerp_(z, c)
                 p.copy_(x).lerp_(z, 1 - beta)  # y
 
@@ -93,13 +94,14 @@ class ScheduleFreeSignSGD(torch.optim.Optimizer):
         self.train_mode = True
 
     def scalars(self) -> list[dict[str, float]]:
-        """Per-group averaging counters (lr_max, weight_sum, k) for checkpoints (JSON)."""
-        keys = ("lr_max", "weight_sum", "k")
+        """Per-group step scales and averaging counters (lr_max, weight_sum, k) for checkpoints
+        (JSON)."""
+        keys = ("step_scale", "lr_max", "weight_sum", "k")
         return [{k: g[k] for k in keys if k in g} for g in self.param_groups]
 
     def load_scalars(self, saved: list[dict[str, float]]) -> None:
         for group, values in zip(self.param_groups, saved, strict=True):
-            group.update(values)
+            group.update({"step_scale": 1.0, **values})  # checkpoints before step scales: 1
 
     def _stepped(self) -> Iterator[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
         for group in self.param_groups:

@@ -34,7 +34,8 @@ from assay.sae.optim import ScheduleFreeSignSGD, averaged
 from assay.sae.saelens_format import save_sae
 
 UNIT_LR_C = 3.2e-3  # default_learning_rate's constant for unit-norm decoders (docs/BENCHMARKS.md)
-SIGNUM_LR_C = 5e-3  # signum's constant (sparsify's; docs/BENCHMARKS.md)
+SIGNUM_LR_C = 7e-3  # signum's constant (1.4x sparsify's 5e-3; measured, docs/BENCHMARKS.md)
+SIGNUM_ENCODER_STEP = 2**-0.5  # signum: W_enc's steps relative to its size (measured, as above)
 RENORM = "zx"  # signum: which points normalise_decoder puts back on the unit sphere (measured)
 
 
@@ -73,10 +74,26 @@ def sparsity_coef_at(step: int, total: int, cfg: SaeTrainConfig) -> float:
 def make_optimizer(
     sae: SparseAutoencoder, lr: float, kind: str = "adam", momentum: float = 0.98, average_power: float = 1.0
 ) -> torch.optim.Optimizer:
-    """Adam or schedule-free sign-SGD ("signum") on the fp32 parameters (state fp32 too)."""
+    """Adam or schedule-free sign-SGD ("signum") on the fp32 parameters (state fp32 too).
+
+    Signum moves every weight by lr per step whatever its size, and the fitted unit start makes
+    the encoder c times smaller than the decoder (c ~ 0.5): W_enc gets its own group whose
+    steps are scaled by its size relative to W_dec's now, times SIGNUM_ENCODER_STEP. Build it
+    after the start is set; a checkpoint restores the scale it was trained with.
+    """
     if kind == "signum":
-        return ScheduleFreeSignSGD(sae.parameters(), lr=lr, momentum=momentum, r=average_power)
+        rest = [p for p in sae.parameters() if p is not sae.W_enc]
+        groups = [{"params": [sae.W_enc], "step_scale": encoder_step_scale(sae)}, {"params": rest}]
+        return ScheduleFreeSignSGD(groups, lr=lr, momentum=momentum, r=average_power)
     return torch.optim.Adam(sae.parameters(), lr=lr, betas=(0.9, 0.999))
+
+
+@torch.no_grad()
+def encoder_step_scale(sae: SparseAutoencoder) -> float:
+    """SIGNUM_ENCODER_STEP * |W_enc| / |W_dec| (Frobenius norms; 1 where either is 0)."""
+    enc, dec = float(sae.W_enc.float().norm()), float(sae.W_dec.float().norm())
+    ratio = enc / dec if enc > 0 and dec > 0 and math.isfinite(enc / dec) else 1.0
+    return SIGNUM_ENCODER_STEP * ratio
 
 
 @torch.no_grad()
@@ -119,7 +136,7 @@ def train_step(
     """One SAE update on a batch x [N, d_in] of normalised activations."""
     for group in opt.param_groups:
         group["lr"] = lr
-    mask = dead.mask().to(x.device)
+    mask = dead.aux_mask().to(x.device)
     with policy.autocast():  # encode, decode, losses
         out = sae.train_forward(x, mask if bool(mask.any()) else None, sparsity_coef)
     out.loss.backward()  # outside autocast: gradients land in the fp32 parameters
@@ -209,18 +226,19 @@ def fit(
     total = cfg.total_steps
     kind = cfg.optimizer_name
     base_lr = cfg.learning_rate or default_learning_rate(sae.d_sae, sae.arch.unit_decoder, kind)
-    opt = make_optimizer(sae, base_lr, kind, cfg.signum_momentum, cfg.signum_average_power)
-    dead = DeadLatents(sae.d_sae, cfg.dead_window_tokens)
-    log = MetricsLog(run_dir / "metrics.jsonl", wandb_run)
-    if (run_dir / CHECKPOINT / "state.json").exists():
-        state = load_checkpoint(run_dir, sae, opt, dead)
-        log.truncate_after(state.step)
-        note(f"resuming from step {state.step:,} ({state.tokens:,} tokens)")
-    else:
-        state = TrainState()
+    resuming = (run_dir / CHECKPOINT / "state.json").exists()
+    if not resuming:
         init_from_data(sae, batches.fill(0))
     dist = Distributed.current()
     dist.broadcast_module_(sae)  # rank 0's initialisation everywhere (as DDP does)
+    opt = make_optimizer(sae, base_lr, kind, cfg.signum_momentum, cfg.signum_average_power)
+    dead = DeadLatents(sae.d_sae, cfg.dead_window_tokens, cfg.aux_window)
+    log = MetricsLog(run_dir / "metrics.jsonl", wandb_run)
+    state = TrainState()
+    if resuming:  # every rank reads the same files
+        state = load_checkpoint(run_dir, sae, opt, dead)
+        log.truncate_after(state.step)
+        note(f"resuming from step {state.step:,} ({state.tokens:,} tokens)")
     density = torch.zeros(sae.d_sae, dtype=torch.float64)
     density_from = total - max(1, total // 10)  # densities over the last 10% of steps
     density_tokens, last, started, rate = 0, None, time.perf_counter(), 0.0
