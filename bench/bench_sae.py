@@ -30,7 +30,7 @@ from assay.core.paths import cache_dir  # noqa: E402
 from assay.core.precision import PrecisionPolicy  # noqa: E402
 from assay.sae import train as train_mod  # noqa: E402
 from assay.sae.activations import LMActivations, pack_contexts, write_cache  # noqa: E402
-from assay.sae.config import SIGNUM_AUX_WINDOW, SaeArchConfig  # noqa: E402
+from assay.sae.config import SaeArchConfig  # noqa: E402
 from assay.sae.metrics import DeadLatents  # noqa: E402
 from assay.sae.model import SparseAutoencoder  # noqa: E402
 from assay.sae.optim import averaged  # noqa: E402
@@ -102,13 +102,14 @@ def run_ours(
         sae.fit_encoder_scale(data[0])  # as assay's init_from_data does (unit decoder start)
     lr = args.lr or default_learning_rate(d_sae, sae.arch.unit_decoder, args.optimizer)
     opt = make_optimizer(sae, lr, args.optimizer, args.momentum, args.r)
+    if args.plain_encoder_step:  # signum's ablation: W_enc steps as far as every other weight
+        opt.param_groups[0]["step_scale"] = 1.0
     train_mod.RENORM = args.renorm
     # signum: schedule-free, so no decay; warm-up only with --signum_warmup
     signum = (args.signum_warmup, args.signum_decay)
     warmup, decay = signum if args.optimizer == "signum" else (args.warmup, args.decay)
     policy = PrecisionPolicy.resolve(precision)
-    aux_window = args.aux_window or (SIGNUM_AUX_WINDOW if args.optimizer == "signum" else None)
-    dead = DeadLatents(d_sae, window=DEAD_WINDOW_STEPS * args.batch, aux_window=aux_window)
+    dead = DeadLatents(d_sae, window=DEAD_WINDOW_STEPS * args.batch, aux_window=args.aux_window)
     timer = Timer()
     for i, x in enumerate(data):
         timer.step(i)
@@ -130,6 +131,7 @@ def run_ours(
         "schedule": [warmup, decay] + ([args.momentum, args.r] if args.optimizer == "signum" else []),
         "aux_coefficient": arch.aux_coefficient,
         "aux_window": dead.aux_window,
+        "encoder_step_scale": opt.param_groups[0].get("step_scale", 1.0),
         "aux_k": sae.aux_k,
         "seed": args.seed,
     }
@@ -220,10 +222,11 @@ def main() -> None:
     p.add_argument("--r", type=float, default=1.0, help="signum: polynomial averaging weight k^r")
     p.add_argument("--momentum", type=float, default=0.98, help="signum: schedule-free beta")
     p.add_argument("--aux", type=float, default=1 / 32, help="AuxK coefficient")
-    p.add_argument("--aux_k", type=int, default=None, help="AuxK latents per token (default d_in / 2)")
-    p.add_argument(
-        "--aux_window", type=int, default=None, help="AuxK: silent this many tokens (default: assay's)"
-    )
+    p.add_argument("--lr_c", type=float, default=None, help="signum: lr = C / sqrt(d_sae / 2^14)")
+    p.add_argument("--encoder_step", type=float, default=None, help="signum: W_enc's relative step factor")
+    p.add_argument("--plain_encoder_step", action="store_true", help="signum: W_enc steps like the rest")
+    p.add_argument("--aux_k", type=int, default=None, help="AuxK latents per token (default k)")
+    p.add_argument("--aux_window", type=int, default=None, help="AuxK: tokens silent (default: dead window)")
     p.add_argument("--seed", type=int, default=0, help="batch order and initialisation")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--out", type=Path, default=None)
@@ -240,6 +243,8 @@ def main() -> None:
     if args.mode == "prepare":
         prepare(args)
         return
+    train_mod.SIGNUM_LR_C = args.lr_c or train_mod.SIGNUM_LR_C
+    train_mod.SIGNUM_ENCODER_STEP = args.encoder_step or train_mod.SIGNUM_ENCODER_STEP
     d_in = int(json.loads((args.acts / "train" / "meta.json").read_text())["d_in"])
     for _ in range(args.repeats):  # alternate configurations within each repeat
         for e in args.expansion:

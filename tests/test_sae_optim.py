@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from assay.core.errors import AssayError
-from assay.sae.config import SIGNUM_AUX_WINDOW, SaeArchConfig, SaeTrainConfig
+from assay.sae.config import SaeArchConfig, SaeTrainConfig
 from assay.sae.optim import ScheduleFreeSignSGD, averaged
 from assay.sae.train import default_learning_rate, make_optimizer, normalise_decoder
 
@@ -162,8 +162,8 @@ def test_optimizer_option_resolves_and_round_trips_through_json() -> None:
     assert back == explicit
     assert default_learning_rate(2**14, True, "signum") == pytest.approx(7e-3)
     assert default_learning_rate(2**16, True, "signum") == pytest.approx(3.5e-3)
-    # AuxK's window: short with signum, the dead-latent window with adam, or as given
-    assert (cfg.aux_window, explicit.aux_window) == (SIGNUM_AUX_WINDOW, explicit.dead_window_tokens)
+    # AuxK's window: the dead-latent window unless given
+    assert cfg.aux_window == cfg.dead_window_tokens
     assert SaeTrainConfig(out="o", optimizer="adam", aux_window_tokens=512).aux_window == 512
     with pytest.raises(AssayError, match="--aux_window_tokens must be positive"):
         SaeTrainConfig(out="o", aux_window_tokens=0)

@@ -18,7 +18,6 @@ Architecture = Literal["relu", "topk", "batchtopk", "jumprelu"]
 ARCHITECTURES: tuple[str, ...] = ("relu", "topk", "batchtopk", "jumprelu")
 DecoderInit = Literal["auto", "unit", "small"]
 OPTIMIZERS: tuple[str, ...] = ("auto", "adam", "signum")
-SIGNUM_AUX_WINDOW = 16_384  # signum's default --aux_window_tokens (measured: docs/BENCHMARKS.md)
 FP16_REFUSAL = (
     "--precision fp16 is not supported for SAE training: it degraded SAE training badly and its "
     "loss scaling makes runs fragile; use --precision bf16 (fp32's exponent range) or fp32"
@@ -131,7 +130,8 @@ class SaeTrainConfig:
     average; 1 weighs recent steps more and, with beta 0.98, measured better)."""
     learning_rate: float | None = None
     """Learning rate (default: C / sqrt(d_sae / 16384), Gao et al.'s width scaling; adam: C =
-    3.2e-3 for the unit decoder start and 8e-4 for the small one; signum: C = 5e-3)."""
+    3.2e-3 for the unit decoder start and 8e-4 for the small one; signum: C = 7e-3, its encoder
+    stepping in proportion to its size: docs/sae.md)."""
     lr_warmup_steps: int | None = None
     """Linear learning-rate warm-up from 0 (default: 50 steps with adam, 0 with signum)."""
     lr_decay_fraction: float | None = None
@@ -145,8 +145,8 @@ class SaeTrainConfig:
     """A latent is dead when it has not fired for this many tokens (the reported fraction)."""
     aux_window_tokens: int | None = None
     """The AuxK loss trains latents that have not fired for this many tokens (topk/batchtopk;
-    default: 16,384 with signum, which then keeps far fewer latents dead; --dead_window_tokens
-    with adam, which a short window leaves with more dead: docs/BENCHMARKS.md)."""
+    default --dead_window_tokens). Shorter windows keep fewer latents dead in some settings and
+    more in others (docs/BENCHMARKS.md)."""
     metrics_every: int = 20
     """Steps between lines of metrics.jsonl."""
     eval_every: int = 0
@@ -219,10 +219,8 @@ class SaeTrainConfig:
 
     @property
     def aux_window(self) -> int:
-        """--aux_window_tokens, or the optimizer's default."""
-        if self.aux_window_tokens is not None:
-            return self.aux_window_tokens
-        return SIGNUM_AUX_WINDOW if self.optimizer_name == "signum" else self.dead_window_tokens
+        """--aux_window_tokens, or the dead-latent window."""
+        return self.dead_window_tokens if self.aux_window_tokens is None else self.aux_window_tokens
 
 
 def check_sae_precision(name: str) -> None:

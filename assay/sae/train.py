@@ -479,7 +479,7 @@ def demo_sae(
     16x expansion at block 2's output, k=32, 80 steps of 1,024 tokens, splice metrics on 8
     held-out contexts; prints and returns the summary. `precision="auto"` picks bf16 autocast
     where the CPU has AMX/AVX512-BF16. Adam, not the TopK default signum: at 1,024-token batches
-    it measured better (held-out FVU 0.0438 vs 0.0456 here; docs/sae.md).
+    its FVU measured better (held-out 0.0438 vs 0.0446 here; docs/sae.md).
     """
     from assay.core.config import DataConfig, ModelConfig, RuntimeConfig
 
