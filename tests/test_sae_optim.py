@@ -179,7 +179,8 @@ def test_unknown_optimizer_is_a_one_line_error(capsys) -> None:  # type: ignore[
     assert len(err.splitlines()) == 1 and "--optimizer must be one of" in err
 
 
-def test_a_checkpoint_is_resumed_only_by_the_optimizer_that_wrote_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_a_checkpoint_is_resumed_only_by_the_optimizer_and_layout_that_wrote_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from assay.core.runs import read_json, write_json
     from assay.sae.checkpoint import TrainState, load_checkpoint, save_checkpoint
     from assay.sae.metrics import DeadLatents
     from assay.sae.model import SparseAutoencoder
@@ -192,6 +193,13 @@ def test_a_checkpoint_is_resumed_only_by_the_optimizer_that_wrote_it(tmp_path) -
     with pytest.raises(AssayError, match="holds adam state but this run uses signum"):
         load_checkpoint(tmp_path, sae, make_optimizer(sae, 1e-3, "signum"), DeadLatents(32, 100))
     assert load_checkpoint(tmp_path, sae, make_optimizer(sae, 1e-3, "adam"), DeadLatents(32, 100)).step == 1
+    signum = make_optimizer(sae, 1e-3, "signum")
+    save_checkpoint(tmp_path, sae, signum, DeadLatents(32, 100), TrainState(1, 16))
+    path = tmp_path / "checkpoint" / "state.json"
+    state = read_json(path)
+    write_json(path, {**state, "optimizer_groups": state["optimizer_groups"][:1]})
+    with pytest.raises(AssayError, match="older assay"):  # a checkpoint from before the encoder's group
+        load_checkpoint(tmp_path, sae, make_optimizer(sae, 1e-3, "signum"), DeadLatents(32, 100))
 
 
 def test_a_config_saved_before_the_options_existed_replays_as_it_ran() -> None:

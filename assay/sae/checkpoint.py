@@ -76,6 +76,11 @@ def load_checkpoint(
             opt.state[p] = entries
     dead.since.copy_(load_file(str(folder / "counters.safetensors"))["since"])
     if isinstance(opt, ScheduleFreeSignSGD):
+        if len(saved["optimizer_groups"]) != len(opt.param_groups):  # one group before encoder steps
+            raise AssayError(
+                f"{folder} was written by an older assay (one signum parameter group, not "
+                f"{len(opt.param_groups)}); delete the checkpoint to train from the start"
+            )
         opt.load_scalars(saved["optimizer_groups"])
     return TrainState(step=int(saved["step"]), tokens=int(saved["tokens"]))
 
