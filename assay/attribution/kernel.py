@@ -354,11 +354,7 @@ def chunk_scores(plan: QueryPlan, rows: torch.Tensor, start: int = 0) -> torch.T
     else:
         out = torch.empty(plan.vectors.shape[0], rows.shape[0])  # [A, C]
         step = max(16, BLOCK_BYTES // (4 * rows.shape[1]))
-        scratch = _scratch(step, rows.shape[1], rows.device) if rows.dtype != STATS_DTYPE else None
-        for s in range(0, rows.shape[0], step):
-            block = rows[s : s + step]
-            if scratch is not None:  # cast into a reused buffer: no allocation (and page faults) per block
-                block = scratch[: block.shape[0]].copy_(block)
+        for s, block in _fp32_blocks(rows, step):
             out[:, s : s + step] = block_scores(plan, block, start + s)
     if plan.reduce_max:
         return out.max(dim=0, keepdim=True).values
@@ -422,6 +418,15 @@ def _reused(name: str, *shape: int, device: torch.device, dtype: torch.dtype = S
     return buf[:numel].view(shape)
 
 
+def _fp32_blocks(rows: torch.Tensor, step: int) -> Iterator[tuple[int, torch.Tensor]]:
+    """(start, block) over rows [C, D], `step` rows at a time, as fp32: other dtypes are cast
+    into a reused buffer (no allocation, and no page faults, per block)."""
+    scratch = _scratch(step, rows.shape[1], rows.device) if rows.dtype != STATS_DTYPE else None
+    for s in range(0, rows.shape[0], step):
+        block = rows[s : s + step]
+        yield s, block if scratch is None else scratch[: block.shape[0]].copy_(block)
+
+
 def _scratch(rows: int, dim: int, device: torch.device) -> torch.Tensor:
     """This thread's reusable [rows, dim] fp32 block buffer (casts of fp16 rows)."""
     return _reused("scratch", rows, dim, device=device)
@@ -461,11 +466,7 @@ def stacked_scores(plan: QueryPlan, rows: torch.Tensor, start: int) -> torch.Ten
     num_rows, num_scores = rows.shape[0], plan.vectors.shape[0]
     step = max(16, min(num_rows, BLOCK_BYTES // (4 * rows.shape[1])))
     both = _reused("stacked", -(-num_rows // step), modules, weights.shape[1], step, device=rows.device)
-    scratch = _scratch(step, rows.shape[1], rows.device) if rows.dtype != STATS_DTYPE else None
-    for b, s in enumerate(range(0, num_rows, step)):
-        block = rows[s : s + step]
-        if scratch is not None:  # cast into a reused buffer: no allocation (and page faults) per block
-            block = scratch[: block.shape[0]].copy_(block)
+    for b, (_, block) in enumerate(_fp32_blocks(rows, step)):
         per_module = block.view(-1, modules, width).permute(1, 2, 0)  # [M, d, c]
         if block.shape[0] == step:
             torch.bmm(weights, per_module, out=both[b])

@@ -109,7 +109,7 @@ def _losses_and_grads(
         else:
             torch.addmm(b, h, w.T, out=head_out[:c])
         z = logits[:c]
-        if logits is not head_out:  # fp32 compute: the head's output is the logits already
+        if logits is not head_out:  # bf16/fp16 head: upcast (an fp32 head wrote the logits)
             z.copy_(head_out[:c])
         target = targets[rows, None]
         picked = z.gather(1, target)[:, 0]
