@@ -57,13 +57,13 @@ COMMANDS: dict[str, Command] = {
         "Fine-tune a causal LM (full or LoRA) on a dataset or a selected subset.",
     ),
     "filter": Command(
-        "assay.attribution.filter:FilterConfig",
-        "assay.attribution.filter:run_filter",
+        "assay.selection.filter:FilterConfig",
+        "assay.selection.filter:run_filter",
         "Select training examples by random, loss, gradient cosine or TrackStar scores.",
     ),
     "coreset": Command(
-        "assay.experiments.coreset:CoresetConfig",
-        "assay.experiments.coreset:run_coreset",
+        "assay.selection.coreset:CoresetConfig",
+        "assay.selection.coreset:run_coreset",
         "Data selection proven by retraining: full vs random vs loss vs gradcos vs TrackStar.",
     ),
     "score": Command(
@@ -88,8 +88,8 @@ COMMANDS: dict[str, Command] = {
         libraries=(),
     ),
     "demo": Command(
-        "assay.demo:DemoConfig",
-        "assay.demo:run_demo",
+        "assay.commands.demo:DemoConfig",
+        "assay.commands.demo:run_demo",
         "The main job on the bundled defaults: real data, a real small model.",
     ),
 }

@@ -19,9 +19,9 @@ import torch
 
 from assay.attribution.collector import GradientCollector, linear_modules
 from assay.attribution.projection import Projector
-from assay.core.data import Examples, collate
-from assay.core.lm import example_losses
 from assay.core.precision import PrecisionPolicy
+from assay.lm.data import Examples, collate
+from assay.lm.losses import example_losses
 
 
 def make_model(width: int, vocab: int):

@@ -34,18 +34,18 @@ from assay.attribution.build import GradientSetup, iter_gradients
 from assay.attribution.collector import GradientCollector, linear_modules
 from assay.attribution.projection import Projector
 from assay.core.config import DataConfig, ModelConfig
-from assay.core.data import collate, load_examples, token_batches
-from assay.core.lean import keep_compute_casts
-from assay.core.lm import example_losses
 from assay.core.memory import return_freed_memory
-from assay.core.models import load_model, load_tokenizer, resolve_model_path
 from assay.core.precision import PrecisionPolicy
+from assay.lm.data import collate, load_examples, token_batches
+from assay.lm.lean import keep_compute_casts
+from assay.lm.losses import example_losses
+from assay.lm.models import load_model, load_tokenizer, resolve_model_path
 
 
 def pick_tunes(tokenizer, target_tokens: int, max_length: int, folder: Path) -> tuple[Path, int]:
     """The first ABC tunes (train split) that fit `max_length`, until `target_tokens`; as jsonl."""
     _, examples = load_examples(DataConfig(dataset="abc-tunes", max_length=10**6), tokenizer)
-    from assay.core.data import load_table
+    from assay.lm.data import load_table
 
     table = load_table(DataConfig(dataset="abc-tunes"))
     chosen, total = [], 0

@@ -20,9 +20,9 @@ import numpy as np
 import torch
 
 from assay.core.config import DataConfig, ModelConfig
-from assay.core.data import collate, load_examples
-from assay.core.models import load_model, load_tokenizer
 from assay.core.precision import PrecisionPolicy
+from assay.lm.data import collate, load_examples
+from assay.lm.models import load_model, load_tokenizer
 from assay.training.finetune import optimizer_update, train_step
 
 

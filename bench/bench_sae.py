@@ -24,10 +24,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_sae_common import DEAD_WINDOW_STEPS, Timer, batches, load_split, quality, record, scale_of  # noqa: E402
 
 from assay.core.config import DataConfig, ModelConfig  # noqa: E402
-from assay.core.data import load_examples  # noqa: E402
-from assay.core.models import load_model, load_tokenizer  # noqa: E402
 from assay.core.paths import cache_dir  # noqa: E402
 from assay.core.precision import PrecisionPolicy  # noqa: E402
+from assay.lm.data import load_examples  # noqa: E402
+from assay.lm.models import load_model, load_tokenizer  # noqa: E402
 from assay.sae import train as train_mod  # noqa: E402
 from assay.sae.activations import LMActivations, pack_contexts, write_cache  # noqa: E402
 from assay.sae.config import SaeArchConfig  # noqa: E402

@@ -32,8 +32,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-from assay.core import corpora  # noqa: E402
 from assay.core.paths import assets_dir, cache_dir  # noqa: E402
+from assay.lm import corpora  # noqa: E402
 
 EOS = "<|endoftext|>"  # also BOS: every document starts with it, as in training
 PAD = "<|pad|>"  # a separate pad token, so masking padding never masks real EOS tokens

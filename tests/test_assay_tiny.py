@@ -13,8 +13,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from assay.core import corpora
 from assay.core.paths import assets_dir, cache_dir
+from assay.lm import corpora
 
 FOLDER = assets_dir() / "assay-tiny"
 

@@ -15,9 +15,9 @@ from assay.attribution.normalizers import (
     load_optimizer_state,
 )
 from assay.attribution.projection import Projector
-from assay.core.data import collate
-from assay.core.lm import example_losses, token_losses
 from assay.core.precision import PrecisionPolicy
+from assay.lm.data import collate
+from assay.lm.losses import example_losses, token_losses
 from tests.test_collector import FP32, autograd_grads, random_examples, rel_err, tiny_gpt2, tiny_llama
 
 BF16 = PrecisionPolicy.resolve("bf16", "cpu")

@@ -10,11 +10,11 @@ from assay.attribution.build import GradientSetup, iter_gradients
 from assay.attribution.collector import GradientCollector, linear_modules
 from assay.attribution.projection import Projector
 from assay.core.config import DataConfig, ModelConfig
-from assay.core.data import collate, load_examples, token_batches
 from assay.core.errors import AssayError
-from assay.core.lm import example_losses
 from assay.core.paths import assets_dir
 from assay.core.precision import PrecisionPolicy
+from assay.lm.data import collate, load_examples, token_batches
+from assay.lm.losses import example_losses
 from tests.test_collector import random_examples, tiny_llama
 
 BF16_MIN_COSINE = 0.99
@@ -26,7 +26,7 @@ def _cosines(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _rows(model_name: str, precision: str, examples, tokenizer, p: int = 16) -> torch.Tensor:
-    from assay.core.models import load_model
+    from assay.lm.models import load_model
 
     policy = PrecisionPolicy.resolve(precision, "cpu")
     model = load_model(ModelConfig(model=model_name), policy)
@@ -41,7 +41,7 @@ def _rows(model_name: str, precision: str, examples, tokenizer, p: int = 16) -> 
     not (assets_dir() / "assay-tiny" / "config.json").exists(), reason="assay-tiny not bundled"
 )
 def test_bf16_autocast_agrees_with_fp32_on_assay_tiny_abc_tunes():
-    from assay.core.models import load_tokenizer
+    from assay.lm.models import load_tokenizer
 
     tokenizer = load_tokenizer(ModelConfig(model="assay-tiny"))
     _, examples = load_examples(DataConfig(dataset="abc-tunes", max_samples=100, max_length=256), tokenizer)

@@ -13,8 +13,8 @@ from assay.attribution import build as build_mod
 from assay.attribution.build import collect, setup_from_index
 from assay.cli import main
 from assay.core.config import DataConfig
-from assay.core.data import load_examples
 from assay.core.errors import AssayError
+from assay.lm.data import load_examples
 from tests.conftest import write_word_texts
 
 

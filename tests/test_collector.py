@@ -9,9 +9,9 @@ from torch import nn
 
 from assay.attribution.collector import GradientCollector, linear_modules
 from assay.attribution.projection import Projector, projection_matrix
-from assay.core.data import Examples, collate
-from assay.core.lm import example_losses
 from assay.core.precision import PrecisionPolicy
+from assay.lm.data import Examples, collate
+from assay.lm.losses import example_losses
 
 FP32 = PrecisionPolicy.resolve("fp32", "cpu")
 

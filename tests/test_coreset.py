@@ -17,10 +17,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from assay.attribution.filter import FilterConfig, read_selection, run_filter
 from assay.core.config import DataConfig, ModelConfig, RuntimeConfig
 from assay.core.errors import AssayError
-from assay.experiments.coreset import CoresetConfig, run_coreset
+from assay.selection.coreset import CoresetConfig, run_coreset
+from assay.selection.filter import FilterConfig, read_selection, run_filter
 from assay.training.finetune import run_finetune
 
 NOTES = "ABcdefgab"

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from assay.core import corpora
 from assay.core.errors import AssayError
 from assay.core.paths import cache_dir
+from assay.lm import corpora
 
 # Pinned sources + a fixed split = the same bytes on every machine. If a change to
 # corpora.py alters these on purpose, update them here and say so in the commit.

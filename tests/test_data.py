@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from assay.core.config import DataConfig
-from assay.core.data import collate, load_examples, load_table, token_batches, tokenize
 from assay.core.errors import AssayError
+from assay.lm.data import collate, load_examples, load_table, token_batches, tokenize
 from tests.conftest import SAMPLE_TEXTS
 
 
@@ -134,8 +134,8 @@ def test_jsonl_reads_as_datasets_reads_it(corpus):
     """JSON-lines files are read without `datasets`, row for row as `datasets` reads them."""
     import datasets
 
-    from assay.core import corpora
     from assay.core.paths import cache_dir
+    from assay.lm import corpora
 
     for split in ("train", "eval"):
         path = corpora.prepare(corpus, cache_dir()) / f"{split}.jsonl"

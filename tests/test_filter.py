@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from assay.attribution.filter import FilterConfig, read_selection, run_filter, select_top
 from assay.core.config import DataConfig, ModelConfig, RuntimeConfig
 from assay.core.errors import AssayError
+from assay.selection.filter import FilterConfig, read_selection, run_filter, select_top
 from assay.training.evaluate import mean_token_loss
 from tests.test_coreset import prose, tune
 

@@ -12,10 +12,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from assay.core.config import DataConfig, ModelConfig, RuntimeConfig
-from assay.core.data import load_examples
 from assay.core.errors import AssayError
-from assay.core.models import load_model, load_tokenizer
 from assay.core.precision import PrecisionPolicy
+from assay.lm.data import load_examples
+from assay.lm.models import load_model, load_tokenizer
 from assay.training import finetune as ft
 from assay.training.checkpoint import OPTIMIZER_STATE_FILE, load_second_moments
 from assay.training.schedule import lr_factor, warmup_steps_for
@@ -102,8 +102,8 @@ def test_gradient_accumulation_matches_one_big_batch(tiny_model_dir, data_jsonl)
         torch.testing.assert_close(eight[name], one[name], rtol=1e-5, atol=1e-7)
     # and the reference: the token-mean loss over the 8 examples computed by hand
     model.zero_grad(set_to_none=True)
-    from assay.core.data import collate
-    from assay.core.lm import token_losses
+    from assay.lm.data import collate
+    from assay.lm.losses import token_losses
 
     batch = collate(examples, positions, tok.pad_token_id)
     losses = token_losses(

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from assay.core import head_loss
-from assay.core.data import collate
-from assay.core.head_loss import fusable_head
-from assay.core.lm import example_losses, token_losses
+from assay.lm import head_loss
 from assay.core.precision import PrecisionPolicy
+from assay.lm.data import collate
+from assay.lm.head_loss import fusable_head
+from assay.lm.losses import example_losses, token_losses
 from tests.test_collector import random_examples, tiny_gpt2, tiny_llama
 
 

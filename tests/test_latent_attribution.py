@@ -13,11 +13,11 @@ from torch import nn
 from assay.attribution.build import GradientSetup, collect
 from assay.attribution.collector import linear_modules
 from assay.attribution.projection import Projector
-from assay.core.data import Examples, collate
+from assay.bridge.latent import latent_objective, latent_query_gradients, load_sae
 from assay.core.errors import AssayError
-from assay.core.lm import example_losses
 from assay.core.precision import PrecisionPolicy
-from assay.latent_attribution import latent_objective, latent_query_gradients, load_sae
+from assay.lm.data import Examples, collate
+from assay.lm.losses import example_losses
 from tests.conftest import make_llama
 
 FP32 = PrecisionPolicy.resolve("fp32", "cpu")
@@ -232,7 +232,7 @@ def test_latent_query_against_a_built_index(tmp_path, tiny_model_dir, texts_json
     from assay.attribution.build import setup_from_index
     from assay.attribution.score import score_index
     from assay.core.config import DataConfig
-    from assay.core.data import load_examples
+    from assay.lm.data import load_examples
 
     out = tmp_path / "idx"
     _build_index(out, tiny_model_dir, texts_jsonl)
@@ -255,7 +255,7 @@ def test_latent_query_against_a_built_index(tmp_path, tiny_model_dir, texts_json
 
 
 def test_most_active_latent_matches_a_dense_count(tmp_path):
-    from assay.latent_attribution import most_active_latent
+    from assay.bridge.latent import most_active_latent
 
     model = make_llama(VOCAB, seed=1).eval()
     sae = load_sae(save_sae(tmp_path / "sae", random_sae(32, 64, seed=2), "topk", k=8))
@@ -310,7 +310,7 @@ def test_score_cli_attributes_a_latent(tmp_path, tiny_model_dir, texts_jsonl, ca
     assert "go together" in capsys.readouterr().err
     assert main([*score, "--query_sae", str(sae_dir), "--latent", "8", "--overwrite"]) == 2
     assert "never fires" in capsys.readouterr().err
-    from assay.latent_attribution import score_latent
+    from assay.bridge.latent import score_latent
 
     picked = ScoreConfig(out=str(tmp_path / "picked"), index=str(idx), query_text=tuple(texts), mode="inner")
     score_latent(picked, str(sae_dir))  # no latent given: the one most active on the queries (7)

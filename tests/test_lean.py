@@ -1,4 +1,4 @@
-"""The memory savings of `assay.core.lean` change no number: checked bit for bit against the plain path."""
+"""The memory savings of `assay.lm.lean` change no number: checked bit for bit against the plain path."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from torch.utils.checkpoint import checkpoint
 
 import assay.attribution.collector as collector_module
 from assay.attribution.projection import Projector
-from assay.core import lean
-from assay.core.lean import keep_compute_casts, recompute_elementwise
+from assay.lm import lean
 from assay.core.precision import PrecisionPolicy
+from assay.lm.lean import keep_compute_casts, recompute_elementwise
 from tests.test_collector import collect_all, random_examples, tiny_gpt2, tiny_llama
 
 PRECISIONS = ("fp32", "bf16", "bf16-pure")
@@ -145,8 +145,8 @@ def test_compute_casts_leave_lora_adapters_alone():
 
     def rows() -> torch.Tensor:
         from assay.attribution.collector import GradientCollector
-        from assay.core.data import collate
-        from assay.core.lm import example_losses
+        from assay.lm.data import collate
+        from assay.lm.losses import example_losses
 
         batch = collate(examples, np.arange(3), pad_id=0)
         with GradientCollector(model, modules, Projector(4, 0), policy) as col:

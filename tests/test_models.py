@@ -9,8 +9,8 @@ import torch
 
 from assay.core.config import ModelConfig
 from assay.core.errors import AssayError
-from assay.core.models import load_model, load_tokenizer, model_fingerprint, resolve_device
 from assay.core.precision import PrecisionPolicy
+from assay.lm.models import load_model, load_tokenizer, model_fingerprint, resolve_device
 
 FP32 = PrecisionPolicy.resolve("fp32", "cpu")
 

@@ -254,7 +254,7 @@ def test_feature_browser_against_a_dense_reference(dead_head):
     alone (no padding); with the lowest latents dead the second pass gives the same answers."""
     import torch
 
-    from assay.latent_attribution import SaeWeights
+    from assay.bridge.latent import SaeWeights
     from assay.report.features import TOP_CONTEXTS, browse
     from tests.conftest import make_llama, make_tokenizer
 

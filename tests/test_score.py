@@ -13,7 +13,7 @@ from assay.attribution.index import open_index
 from assay.attribution.score import ScoreConfig, query_gradients, run_score, score_index
 from assay.cli import main
 from assay.core.config import DataConfig, ModelConfig, RuntimeConfig
-from assay.core.data import load_table
+from assay.lm.data import load_table
 
 MODEL = "assay-tiny"
 NUM_TUNES = 120

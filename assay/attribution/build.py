@@ -33,15 +33,15 @@ from assay.attribution.projection import Projector
 from assay.core import fsdp
 from assay.core.config import DataConfig, ModelConfig, RuntimeConfig
 from assay.core.console import note, say
-from assay.core.data import Examples, collate, load_examples, token_batches, tokenizer_fingerprint
 from assay.core.distributed import Distributed
 from assay.core.errors import AssayError
-from assay.core.lean import keep_compute_casts
-from assay.core.lm import example_losses
-from assay.core.models import load_model, load_tokenizer, model_fingerprint, setup_runtime
 from assay.core.precision import STATS_DTYPE, PrecisionPolicy, full_precision
 from assay.core.progress import Progress
 from assay.core.runs import config_from_dict, config_to_dict, read_json, run_folder, write_json
+from assay.lm.data import Examples, collate, load_examples, token_batches, tokenizer_fingerprint
+from assay.lm.lean import keep_compute_casts
+from assay.lm.losses import example_losses
+from assay.lm.models import load_model, load_sharded_model, load_tokenizer, model_fingerprint, setup_runtime
 
 PROGRESS_FILE = "progress.json"
 FLOAT16_MAX = 65504.0
@@ -179,7 +179,7 @@ def run_build(cfg: BuildConfig) -> dict[str, Any]:
         tokenizer = load_tokenizer(cfg.model)
         _, examples = load_examples(cfg.data, tokenizer)
         if cfg.fsdp:
-            model = fsdp.load_sharded_model(cfg.model, policy, cfg.runtime.attention, dist)
+            model = load_sharded_model(cfg.model, policy, cfg.runtime.attention, dist)
         else:
             model = load_model(cfg.model, policy, cfg.runtime.attention)
         modules = linear_modules(model, cfg.modules)

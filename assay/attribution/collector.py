@@ -17,7 +17,7 @@ is cast to fp32 first; the projected values are fp32 either way, so the per-exam
 and sums accumulate in fp32 whatever the compute dtype (see `_project`).
 
 Memory: while collecting, SwiGLU MLPs and RMSNorms keep only their inputs for backward and
-grouped-query attention keeps no repeated key/value heads (`assay.core.lean`: the same numbers
+grouped-query attention keeps no repeated key/value heads (`assay.lm.lean`: the same numbers
 up to the order of the key/value gradient sums; docs/index-format.md).
 """
 
@@ -35,9 +35,9 @@ from torch import nn
 
 from assay.attribution.projection import Projector
 from assay.core.errors import AssayError
-from assay.core.hooks import is_conv1d, is_linear, match_modules
-from assay.core.lean import grouped_query_attention, recompute_elementwise
 from assay.core.precision import STATS_DTYPE, PrecisionPolicy, check_finite, full_precision
+from assay.lm.hooks import is_conv1d, is_linear, match_modules
+from assay.lm.lean import grouped_query_attention, recompute_elementwise
 
 Objective = Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]
 """(model, batch) -> [B] per-example scalars whose gradients are collected."""

@@ -25,12 +25,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from assay.core.data import Examples, collate, token_batches
 from assay.core.errors import AssayError
 from assay.core.fsdp import full_tensor
-from assay.core.hooks import is_conv1d
-from assay.core.lm import example_losses
 from assay.core.precision import STATS_DTYPE, PrecisionPolicy, full_precision
+from assay.lm.data import Examples, collate, token_batches
+from assay.lm.hooks import is_conv1d
+from assay.lm.losses import example_losses
 
 ADAM_EPS = 1e-8
 ASSAY_STATE_FILE = "optimizer_state.safetensors"  # written by `assay finetune`

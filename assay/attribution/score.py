@@ -38,13 +38,13 @@ from assay.attribution.kernel import (
 from assay.attribution.precondition import MIX_FRACTION, Whitening, build_whitening, second_moment_sums
 from assay.core.config import DataConfig
 from assay.core.console import note, say
-from assay.core.data import ID_COLUMN, Examples, load_table, texts_of, tokenize, tokenizer_fingerprint
 from assay.core.distributed import Distributed
 from assay.core.errors import AssayError
-from assay.core.lean import keep_compute_casts
 from assay.core.paths import cache_dir
 from assay.core.runs import DONE_FILE, run_folder, write_json
-from assay.core.table import Table
+from assay.lm.data import ID_COLUMN, Examples, load_table, texts_of, tokenize, tokenizer_fingerprint
+from assay.lm.lean import keep_compute_casts
+from assay.lm.table import Table
 
 
 @dataclass
@@ -204,7 +204,7 @@ def _concat_examples(parts: list[Examples]) -> Examples:
 
 def check_compatible(index: GradientIndex, setup: Any) -> None:
     """Refuse a model, tokenizer, projection or module set other than the index's (one line)."""
-    from assay.core.models import model_fingerprint
+    from assay.lm.models import model_fingerprint
 
     meta = index.meta
     if model_fingerprint(setup.model) != meta["model"]["fingerprint"]:
@@ -393,7 +393,7 @@ def query_gradients(cfg: ScoreConfig, index: GradientIndex) -> tuple[Any, Querie
     keep_compute_casts(setup.model, setup.policy)  # from here on the model only collects gradients
     queries = load_queries(cfg, index, setup.tokenizer)
     if cfg.query_sae is not None:  # the query is an SAE latent's activation, not the loss
-        from assay.latent_attribution import latent_objective, load_sae
+        from assay.bridge.latent import latent_objective, load_sae
 
         objective = latent_objective(load_sae(cfg.query_sae).to(setup.policy.device), int(cfg.latent or 0))
         collect = partial(collect, objective=objective)  # type: ignore[assignment]

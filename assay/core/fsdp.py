@@ -31,9 +31,6 @@ from assay.core.errors import AssayError
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
 
-    from assay.core.config import ModelConfig
-    from assay.core.precision import PrecisionPolicy
-
 
 def require_processes(dist: Distributed) -> None:
     """--fsdp shards over torchrun's processes: one process has nothing to shard over."""
@@ -83,22 +80,6 @@ def _units(model: nn.Module) -> list[FSDPModule]:
     from torch.distributed.fsdp import FSDPModule
 
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
-
-
-def load_sharded_model(
-    model_cfg: ModelConfig, policy: PrecisionPolicy, attention: str, dist: Distributed
-) -> nn.Module:
-    """`load_model` for --fsdp: loaded on the CPU (a model larger than one GPU never sits on it
-    whole), rank 0's weights on every rank (a fresh LoRA starts identical), then sharded onto
-    this rank's device."""
-    from dataclasses import replace
-
-    from assay.core.models import load_model
-
-    require_processes(dist)
-    model = load_model(model_cfg, replace(policy, device=torch.device("cpu")), attention)
-    dist.broadcast_module_(model)
-    return shard_model(model, dist)
 
 
 @contextmanager

@@ -10,11 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from assay.experiments.report import LABELS
 from assay.report import charts
 from assay.report import html as h
 from assay.report.common import missing_note, settings_block, unfinished_note
 from assay.report.runs import Run, try_open_run
+from assay.selection.tables import LABELS
 
 
 def _stat(entry: dict, key: str) -> str:

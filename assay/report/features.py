@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from assay.latent_attribution import SaeWeights, hook_activations
+from assay.bridge.latent import SaeWeights, hook_activations
 
 TOP_CONTEXTS = 8
 TOP_TOKENS = 8

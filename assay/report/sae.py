@@ -177,11 +177,11 @@ def compute_browser(
     run: Run, num_latents: int, num_examples: int, device: str, first: tuple[int, ...] = ()
 ) -> FeatureBrowser:
     """Load model, tokenizer, SAE and held-out texts from the run's config; run features.browse."""
+    from assay.bridge.latent import load_sae
     from assay.core.config import DataConfig, ModelConfig, RuntimeConfig
-    from assay.core.data import load_examples
-    from assay.core.models import load_model, load_tokenizer, setup_runtime
     from assay.core.runs import config_from_dict
-    from assay.latent_attribution import load_sae
+    from assay.lm.data import load_examples
+    from assay.lm.models import load_model, load_tokenizer, setup_runtime
     from assay.report.features import browse
 
     cfg = run.config

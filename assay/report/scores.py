@@ -189,13 +189,13 @@ def latent_in_queries(run: Run, index_path: Path, texts: dict[str, str]) -> dict
     import torch
 
     from assay.attribution.index import open_index
+    from assay.bridge.latent import load_sae
     from assay.core.config import DataConfig, ModelConfig
-    from assay.core.data import ID_COLUMN, tokenize
-    from assay.core.models import load_model, load_tokenizer
     from assay.core.precision import PrecisionPolicy
     from assay.core.runs import config_from_dict
-    from assay.core.table import Table
-    from assay.latent_attribution import load_sae
+    from assay.lm.data import ID_COLUMN, tokenize
+    from assay.lm.models import load_model, load_tokenizer
+    from assay.lm.table import Table
     from assay.report.features import _context, _latents
     from assay.report.sae import context_html
 

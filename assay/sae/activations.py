@@ -22,9 +22,9 @@ import numpy as np
 import torch
 
 from assay.core.errors import AssayError
-from assay.core.hooks import StopForward, forward_hooks, get_module, output_tensor
 from assay.core.precision import PrecisionPolicy
 from assay.core.runs import read_json, write_json
+from assay.lm.hooks import StopForward, forward_hooks, get_module, output_tensor
 
 CACHE_META = "meta.json"
 CACHE_ARRAY = "activations.npy"

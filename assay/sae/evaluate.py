@@ -20,13 +20,13 @@ import torch
 import torch.nn.functional as F
 
 from assay.core.console import say
-from assay.core.data import load_examples
 from assay.core.errors import AssayError
-from assay.core.hooks import forward_hooks, get_module, output_tensor
-from assay.core.lm import token_losses
-from assay.core.models import load_model, load_tokenizer, setup_runtime
 from assay.core.precision import full_precision
 from assay.core.runs import write_json
+from assay.lm.data import load_examples
+from assay.lm.hooks import forward_hooks, get_module, output_tensor
+from assay.lm.losses import token_losses
+from assay.lm.models import load_model, load_tokenizer, setup_runtime
 from assay.sae.activations import pack_contexts
 from assay.sae.config import SaeEvalConfig
 from assay.sae.metrics import ReconstructionStats

@@ -292,8 +292,8 @@ def build_data(cfg: SaeTrainConfig, policy: PrecisionPolicy) -> tuple[Any, Any, 
     """(model, training activation source, held-out contexts [n, T]) for a config."""
     from dataclasses import replace
 
-    from assay.core.data import load_examples
-    from assay.core.models import load_model, load_tokenizer
+    from assay.lm.data import load_examples
+    from assay.lm.models import load_model, load_tokenizer
     from assay.sae.activations import LMActivations, pack_contexts
 
     tokenizer = load_tokenizer(cfg.model)
@@ -337,7 +337,7 @@ def rank_share(source: Any, dist: Distributed) -> Any:
 
 def _cached(cfg: SaeTrainConfig, model: Any, source: Any, folder: str) -> Any:
     """The activation cache (written by rank 0 under torchrun; the other ranks then read it)."""
-    from assay.core.models import model_fingerprint
+    from assay.lm.models import model_fingerprint
     from assay.sae.activations import open_cache, write_cache
 
     with Distributed.current().main_first():
@@ -371,7 +371,7 @@ def train_sae(cfg: SaeTrainConfig) -> dict[str, Any]:
 
     Returns the summary (also written to OUT/summary.json).
     """
-    from assay.core.models import setup_runtime
+    from assay.lm.models import setup_runtime
     from assay.sae.evaluate import splice_metrics
 
     device, policy = setup_runtime(cfg.runtime)

@@ -12,10 +12,10 @@ import tyro
 
 from assay.core.config import DataConfig, ModelConfig, RuntimeConfig
 from assay.core.console import say
-from assay.core.data import load_examples
-from assay.core.lm import evaluate_losses
-from assay.core.models import load_model, load_tokenizer, setup_runtime
 from assay.core.runs import run_folder, write_json
+from assay.lm.data import load_examples
+from assay.lm.losses import evaluate_losses
+from assay.lm.models import load_model, load_tokenizer, setup_runtime
 
 
 @dataclass

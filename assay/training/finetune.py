@@ -26,14 +26,14 @@ import tyro
 from assay.core import fsdp
 from assay.core.config import DataConfig, ModelConfig, RuntimeConfig
 from assay.core.console import note, say
-from assay.core.data import Examples, collate, load_examples
 from assay.core.distributed import Distributed
 from assay.core.errors import AssayError
-from assay.core.lm import evaluate_losses, example_losses
-from assay.core.models import load_model, load_tokenizer, setup_runtime
 from assay.core.precision import PrecisionPolicy, check_finite, full_precision
 from assay.core.progress import Progress
 from assay.core.runs import run_folder, write_json
+from assay.lm.data import Examples, collate, load_examples
+from assay.lm.losses import evaluate_losses, example_losses
+from assay.lm.models import load_model, load_sharded_model, load_tokenizer, setup_runtime
 from assay.training import checkpoint as ckpt
 from assay.training.schedule import ScheduleName, lr_factor, warmup_steps_for
 from assay.training.subset import ORDER_FILE, read_ids, replayed_plan, shuffled_plan, step_batches, write_plan
@@ -426,7 +426,7 @@ def run_finetune(cfg: FinetuneConfig) -> dict[str, Any]:
         tokenizer = load_tokenizer(cfg.model)
         data = prepare_data(cfg, tokenizer)
         if cfg.fsdp:
-            model = fsdp.load_sharded_model(cfg.model, policy, cfg.runtime.attention, dist)
+            model = load_sharded_model(cfg.model, policy, cfg.runtime.attention, dist)
         else:
             model = load_model(cfg.model, policy, cfg.runtime.attention)
             dist.broadcast_module_(model)  # identical start on every rank (as DDP)

@@ -63,7 +63,7 @@ def collect_rows(cfg: Any, lay: Any, rows: list[str]) -> dict[str, dict[str, Any
 
 def selection_facts(cfg: Any, lay: Any, rows: list[str]) -> dict[str, Any]:
     """bf16 vs fp32 TrackStar overlap, and (with a collection column) the share of each collection."""
-    from assay.attribution.filter import overlap, read_selection
+    from assay.selection.filter import overlap, read_selection
 
     seed = cfg.seeds[0]
     chosen = {row: read_selection(lay.selection(row, seed)) for row in rows}

@@ -125,7 +125,7 @@ def model_token_losses(cfg: FilterConfig) -> tuple[np.ndarray, np.ndarray]:
 
 
 def pool_ids(cfg: FilterConfig) -> np.ndarray:
-    from assay.core.data import ID_COLUMN, load_table
+    from assay.lm.data import ID_COLUMN, load_table
 
     return np.asarray(load_table(cfg.data)[ID_COLUMN], dtype=np.int64)
 

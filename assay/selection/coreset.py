@@ -146,7 +146,7 @@ def resolve_layout(cfg: CoresetConfig, root: Path) -> Layout:
     }
     if cfg.preset == "none":
         return Layout(root, cfg.data, cfg.query, cfg.query_dataset, cfg.query_split, eval_data)
-    from assay.experiments.presets import prepare_preset
+    from assay.selection.presets import prepare_preset
 
     files = prepare_preset(cfg.preset, root / "data", cfg.pool_size, cfg.query_size, cfg.eval_size)
     data = replace(cfg.data, dataset=files["pool"], split="train", filter_column=None, filter_value=None)
@@ -221,7 +221,7 @@ def build_index(cfg: CoresetConfig, lay: Layout, precision: str) -> None:
 
 
 def select(cfg: CoresetConfig, lay: Layout, row: str, seed: int) -> None:
-    from assay.attribution.filter import FilterConfig, run_filter
+    from assay.selection.filter import FilterConfig, run_filter
 
     strategy, _, precision = row.partition("_")
     index = None if strategy == "random" else lay.index(precision or "fp32")
@@ -302,7 +302,7 @@ def open_experiment(cfg: CoresetConfig) -> Path:
 
 def finish(cfg: CoresetConfig, lay: Layout, root: Path) -> dict[str, Any]:
     """The report (results.json, results.md, curves.png), then the experiment's run.json."""
-    from assay.experiments.report import write_report
+    from assay.selection.tables import write_report
 
     results = write_report(cfg, lay, rows_of(cfg), root)
     write_json(root / DONE_FILE, {"finished": time.strftime("%Y-%m-%dT%H:%M:%S%z")})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import shutil
@@ -13,8 +14,10 @@ from typing import Any
 
 import torch
 
+from assay.core import fsdp
 from assay.core.config import ModelConfig, RuntimeConfig
 from assay.core.console import note
+from assay.core.distributed import Distributed
 from assay.core.errors import AssayError, first_line
 from assay.core.paths import assets_dir, cache_dir
 from assay.core.precision import PrecisionPolicy
@@ -139,13 +142,23 @@ def attach_adapter(model: Any, cfg: ModelConfig) -> Any:
 def model_fingerprint(model: Any) -> str:
     """A short hash of the architecture and the weights: refuses mixing models by accident."""
     h = hashlib.sha256(model.config.to_json_string(use_diff=False).encode())
-    from assay.core.fsdp import full_tensor
-
     with torch.no_grad():
         for name, p in model.named_parameters():
-            whole = full_tensor(p)  # --fsdp: every rank gathers it (one parameter at a time)
+            whole = fsdp.full_tensor(p)  # --fsdp: every rank gathers it (one parameter at a time)
             h.update(f"{name}{tuple(p.shape)}{float(whole.sum(dtype=torch.float64)):.6e}".encode())
     return h.hexdigest()[:16]
+
+
+def load_sharded_model(
+    model_cfg: ModelConfig, policy: PrecisionPolicy, attention: str, dist: Distributed
+) -> torch.nn.Module:
+    """`load_model` for --fsdp: loaded on the CPU (a model larger than one GPU never sits on it
+    whole), rank 0's weights on every rank (a fresh LoRA starts identical), then sharded onto
+    this rank's device."""
+    fsdp.require_processes(dist)
+    model = load_model(model_cfg, dataclasses.replace(policy, device=torch.device("cpu")), attention)
+    dist.broadcast_module_(model)
+    return fsdp.shard_model(model, dist)
 
 
 def prepare_smollm2() -> Path:

@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from assay.core import corpora
 from assay.core.paths import cache_dir
+from assay.lm import corpora
 
 PRESETS = ("coreset", "targeted")
 TARGET_COLLECTION = "oneill"

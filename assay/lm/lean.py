@@ -36,8 +36,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from assay.core.hooks import is_linear
 from assay.core.precision import PrecisionPolicy
+from assay.lm.hooks import is_linear
 
 SWIGLU_PARTS = ("gate_proj", "up_proj", "down_proj", "act_fn")
 SILU_TYPES = ("SiLU", "SiLUActivation")  # torch's and transformers' silu modules

@@ -6,10 +6,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from assay.core.data import Examples, collate, token_batches
-from assay.core.head_loss import chunked_head_losses, fusable_head, head_bypassed
 from assay.core.precision import PrecisionPolicy, full_precision
 from assay.core.progress import Progress
+from assay.lm.data import Examples, collate, token_batches
+from assay.lm.head_loss import chunked_head_losses, fusable_head, head_bypassed
 
 
 def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -23,7 +23,7 @@ def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 def example_losses(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """[B] summed token loss of each example (the loss whose gradient we attribute).
 
-    The head and its loss run chunk-wise where that is exact (see `assay.core.head_loss`), so
+    The head and its loss run chunk-wise where that is exact (see `assay.lm.head_loss`), so
     the [tokens, vocabulary] logits are never held at once.
     """
     head = fusable_head(model)

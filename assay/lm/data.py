@@ -16,11 +16,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from assay.core import corpora
 from assay.core.config import DataConfig
 from assay.core.errors import AssayError, first_line
 from assay.core.paths import cache_dir
-from assay.core.table import Table
+from assay.lm import corpora
+from assay.lm.table import Table
 
 ID_COLUMN = "__assay_id__"
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}

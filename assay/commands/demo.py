@@ -98,7 +98,7 @@ def _index(cfg: DemoConfig, folder: Path) -> float:
 
 def run_demo(cfg: DemoConfig) -> None:
     from assay.attribution.score import score_demo
-    from assay.latent_attribution import latent_demo
+    from assay.bridge.latent import latent_demo
     from assay.report.command import build_report
     from assay.sae.train import demo_sae
 

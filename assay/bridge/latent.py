@@ -30,8 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from assay.core.errors import AssayError
-from assay.core.hooks import StopForward, get_module, output_tensor
 from assay.core.precision import STATS_DTYPE, full_precision
+from assay.lm.hooks import StopForward, get_module, output_tensor
 
 Activation = Literal["post", "pre"]
 SAE_WEIGHTS = "sae_weights.safetensors"
@@ -243,7 +243,7 @@ def most_active_latent(
     A natural query for a demo: "this feature fires most on these texts; which training
     examples raise it?". Runs in fp32 on the model's device; the forward stops at the hookpoint.
     """
-    from assay.core.data import collate, token_batches
+    from assay.lm.data import collate, token_batches
 
     device = next(model.parameters()).device
     sae.to(device)

@@ -1,1 +1,0 @@
-"""Experiments that join training and attribution: data selection proven by retraining."""

@@ -1,0 +1,2 @@
+"""Data selection: strategies that choose training examples, and the experiments that prove them
+by retraining."""
