@@ -7,8 +7,6 @@ A resumed run continues bit for bit (tests/test_sae_train.py).
 
 from __future__ import annotations
 
-import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +19,7 @@ from assay.core.runs import read_json, write_json
 from assay.sae.metrics import DeadLatents
 from assay.sae.model import SparseAutoencoder
 from assay.sae.optim import ScheduleFreeSignSGD
+from assay.training.checkpoint import find_checkpoint, write_checkpoint_folder
 
 CHECKPOINT = "checkpoint"
 
@@ -37,31 +36,30 @@ def save_checkpoint(
     run_dir: Path, sae: SparseAutoencoder, opt: torch.optim.Optimizer, dead: DeadLatents, state: TrainState
 ) -> None:
     """Weights (signum: y), optimizer state and counters as safetensors + JSON, replaced atomically."""
-    tmp, final = run_dir / (CHECKPOINT + ".part"), run_dir / CHECKPOINT
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    save_file({k: v.detach().contiguous() for k, v in sae.state_dict().items()}, str(tmp / "sae.safetensors"))
     tensors: dict[str, torch.Tensor] = {}
     for i, p in enumerate(sae.parameters()):
         for key, value in opt.state.get(p, {}).items():
             tensors[f"{i}.{key}"] = torch.as_tensor(value).detach().clone().contiguous()
-    save_file(tensors, str(tmp / "optimizer.safetensors"))
-    save_file({"since": dead.since.contiguous()}, str(tmp / "counters.safetensors"))
     saved: dict[str, Any] = {"step": state.step, "tokens": state.tokens, "optimizer": _kind(opt)}
     if isinstance(opt, ScheduleFreeSignSGD):
         saved["optimizer_groups"] = opt.scalars()  # averaging weights (exact: JSON floats round-trip)
-    write_json(tmp / "state.json", saved)
-    old = run_dir / (CHECKPOINT + ".old")
-    if final.exists():
-        os.replace(final, old)
-    os.replace(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
+
+    def write(tmp: Path) -> None:
+        weights = {k: v.detach().contiguous() for k, v in sae.state_dict().items()}
+        save_file(weights, str(tmp / "sae.safetensors"))
+        save_file(tensors, str(tmp / "optimizer.safetensors"))
+        save_file({"since": dead.since.contiguous()}, str(tmp / "counters.safetensors"))
+        write_json(tmp / "state.json", saved)  # last: its presence marks a whole checkpoint
+
+    write_checkpoint_folder(run_dir / CHECKPOINT, write)
 
 
 def load_checkpoint(
     run_dir: Path, sae: SparseAutoencoder, opt: torch.optim.Optimizer, dead: DeadLatents
 ) -> TrainState:
-    folder = run_dir / CHECKPOINT
+    folder = find_checkpoint(run_dir / CHECKPOINT)
+    if folder is None:
+        raise AssayError(f"{run_dir} holds no whole checkpoint to resume from")
     saved = read_json(folder / "state.json")
     if saved.get("optimizer", "adam") != _kind(opt):
         raise AssayError(

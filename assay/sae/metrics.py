@@ -9,16 +9,8 @@ Definitions (x: activations [N, d_in], x_hat: reconstructions, z: latents):
 
 from __future__ import annotations
 
-import json
-import math
-from pathlib import Path
-from typing import Any
-
 import torch
 from torch import Tensor
-
-from assay.core.distributed import Distributed
-from assay.core.errors import AssayError
 
 
 def fvu(x: Tensor, x_hat: Tensor) -> float:
@@ -88,40 +80,3 @@ class DeadLatents:
 
     def fraction(self) -> float:
         return float(self.mask().double().mean())
-
-
-class MetricsLog:
-    """Appends one JSON object per line to metrics.jsonl; mirrors to W&B when asked."""
-
-    def __init__(self, path: Path, wandb_run: Any = None):
-        self.path, self.wandb_run = path, wandb_run
-
-    def truncate_after(self, step: int) -> None:
-        """On resume: drop lines written after the checkpoint being resumed from."""
-        if not self.path.exists() or not Distributed.current().is_main:
-            return
-        lines = [line for line in self.path.read_text().splitlines() if line.strip()]
-        kept = [line for line in lines if json.loads(line).get("step", 0) <= step]
-        self.path.write_text("".join(line + "\n" for line in kept))
-
-    def log(self, record: dict[str, Any]) -> None:
-        if not Distributed.current().is_main:  # under torchrun, rank 0 writes the metrics
-            return
-        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(clean) + "\n")
-        if self.wandb_run is not None:
-            self.wandb_run.log({k: v for k, v in clean.items() if v is not None}, step=record.get("step"))
-
-    def close(self) -> None:
-        if self.wandb_run is not None:
-            self.wandb_run.finish()
-
-
-def start_wandb(project: str, name: str, config: dict[str, Any], folder: Path) -> Any:
-    """A W&B run (honours WANDB_MODE=offline); a clear error when wandb is not installed."""
-    try:
-        import wandb
-    except ImportError:
-        raise AssayError("--wandb needs the wandb package: pip install 'assay[wandb]'") from None
-    return wandb.init(project=project, name=name, config=config, dir=str(folder))

@@ -28,10 +28,12 @@ from assay.core.runs import config_to_dict, run_folder, write_json
 from assay.sae.activations import ShuffledBatches
 from assay.sae.checkpoint import CHECKPOINT, TrainState, load_checkpoint, save_checkpoint
 from assay.sae.config import SaeTrainConfig
-from assay.sae.metrics import DeadLatents, MetricsLog, fvu, start_wandb
+from assay.sae.metrics import DeadLatents, fvu
 from assay.sae.model import SparseAutoencoder, TrainOutput
 from assay.sae.optim import ScheduleFreeSignSGD, averaged
 from assay.sae.saelens_format import save_sae
+from assay.training.checkpoint import find_checkpoint
+from assay.training.metrics import MetricsLog, start_wandb
 
 UNIT_LR_C = 3.2e-3  # default_learning_rate's constant for unit-norm decoders (docs/BENCHMARKS.md)
 SIGNUM_LR_C = 7e-3  # signum's constant (1.4x sparsify's 5e-3; measured, docs/BENCHMARKS.md)
@@ -226,7 +228,7 @@ def fit(
     total = cfg.total_steps
     kind = cfg.optimizer_name
     base_lr = cfg.learning_rate or default_learning_rate(sae.d_sae, sae.arch.unit_decoder, kind)
-    resuming = (run_dir / CHECKPOINT / "state.json").exists()
+    resuming = find_checkpoint(run_dir / CHECKPOINT) is not None
     if not resuming:
         init_from_data(sae, batches.fill(0))
     dist = Distributed.current()
@@ -237,8 +239,8 @@ def fit(
     state = TrainState()
     if resuming:  # every rank reads the same files
         state = load_checkpoint(run_dir, sae, opt, dead)
-        log.truncate_after(state.step)
         note(f"resuming from step {state.step:,} ({state.tokens:,} tokens)")
+    log.truncate_after(state.step if resuming else -1)  # a run killed before its first checkpoint
     density = torch.zeros(sae.d_sae, dtype=torch.float64)
     density_from = total - max(1, total // 10)  # densities over the last 10% of steps
     density_tokens, last, started, rate = 0, None, time.perf_counter(), 0.0
@@ -413,7 +415,7 @@ def train_sae(cfg: SaeTrainConfig) -> dict[str, Any]:
         summary = _summary(cfg, policy, sae, result, time.perf_counter() - started)
         if dist.is_main:  # the ranks hold identical SAEs
             save_sae(run.path, sae.folded(), metadata, result["log_densities"])
-            shutil.rmtree(run.path / CHECKPOINT, ignore_errors=True)
+            shutil.rmtree(run.path / CHECKPOINT, ignore_errors=True)  # .old and .tmp never outlive a write
             write_json(run.path / "summary.json", summary)
         if wandb_run is not None:
             wandb_run.summary.update({k: v for k, v in summary.items() if isinstance(v, (int, float))})

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,32 @@ from assay.core.runs import read_json, write_json
 OPTIMIZER_STATE_FILE = "optimizer_state.safetensors"
 OPTIMIZER_STATE_FORMAT = "assay-adam-v1"
 CHECKPOINT_DIR = "checkpoint"
+
+
+def write_checkpoint_folder(folder: Path, write: Callable[[Path], None]) -> None:
+    """Write a checkpoint through `write(tmp)` into FOLDER.tmp, then swap it in for FOLDER.
+
+    The previous checkpoint moves to FOLDER.old for the moment between the two renames; a
+    process killed there leaves FOLDER.old, which `find_checkpoint` then resumes from."""
+    tmp, old = folder.with_name(folder.name + ".tmp"), folder.with_name(folder.name + ".old")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    write(tmp)
+    if folder.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(folder, old)
+    os.replace(tmp, folder)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def find_checkpoint(folder: Path) -> Path | None:
+    """FOLDER if a whole checkpoint is there, else FOLDER.old (killed between the renames of
+    `write_checkpoint_folder`), else None. FOLDER.tmp is never whole and never used."""
+    old = folder.with_name(folder.name + ".old")
+    for candidate in (folder, old):
+        if (candidate / "state.json").exists():
+            return candidate
+    return None
 
 
 def trainable_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
@@ -109,20 +136,16 @@ def save_checkpoint(
     moments = _moments(optimizer, params)
     if not Distributed.current().is_main:
         return
-    tmp = folder.with_name(folder.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file(weights, str(tmp / "trainable.safetensors"))
-    save_file(moments, str(tmp / "optimizer.safetensors"))
-    save_file({"torch_rng": torch.get_rng_state()}, str(tmp / "rng.safetensors"))
     opt_steps = {n: float(optimizer.state[p]["step"]) for n, p in params.items() if p in optimizer.state}
     extra = {"optimizer_steps": opt_steps, "scaler": scaler.state_dict() if scaler is not None else None}
-    write_json(tmp / "state.json", {**state, **extra})
-    old = folder.with_name(folder.name + ".old")
-    if folder.exists():
-        os.replace(folder, old)
-    os.replace(tmp, folder)
-    shutil.rmtree(old, ignore_errors=True)
+
+    def write(tmp: Path) -> None:
+        save_file(weights, str(tmp / "trainable.safetensors"))
+        save_file(moments, str(tmp / "optimizer.safetensors"))
+        save_file({"torch_rng": torch.get_rng_state()}, str(tmp / "rng.safetensors"))
+        write_json(tmp / "state.json", {**state, **extra})  # last: its presence marks a whole checkpoint
+
+    write_checkpoint_folder(folder, write)
 
 
 def load_checkpoint(

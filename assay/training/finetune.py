@@ -30,11 +30,12 @@ from assay.core.distributed import Distributed
 from assay.core.errors import AssayError
 from assay.core.precision import PrecisionPolicy, check_finite, full_precision
 from assay.core.progress import Progress
-from assay.core.runs import run_folder, write_json
+from assay.core.runs import config_to_dict, run_folder, write_json
 from assay.lm.data import Examples, collate, load_examples
 from assay.lm.losses import evaluate_losses, example_losses
 from assay.lm.models import load_model, load_sharded_model, load_tokenizer, setup_runtime
 from assay.training import checkpoint as ckpt
+from assay.training.metrics import MetricsLog, start_wandb
 from assay.training.schedule import ScheduleName, lr_factor, warmup_steps_for
 from assay.training.subset import ORDER_FILE, read_ids, replayed_plan, shuffled_plan, step_batches, write_plan
 
@@ -95,6 +96,11 @@ class FinetuneConfig:
     """With --selection, also report the final loss on the whole dataset the subset came from."""
     token_batch_size: int = 8192
     """Most tokens (padding included) per forward batch when evaluating."""
+    wandb: bool = False
+    """Also log metrics to Weights & Biases (metrics.jsonl is written either way; honours
+    WANDB_MODE=offline). Needs `pip install 'assay[wandb]'`."""
+    wandb_project: str = "assay-finetune"
+    """W&B project name (with --wandb)."""
     fsdp: bool = False
     """Under torchrun: shard weights, gradients and AdamW's moments over the processes (FSDP2,
     one unit per decoder block) for models that do not fit on one device; saved whole."""
@@ -255,28 +261,6 @@ def mean_loss(
     return float(losses.sum() / max(int(examples.num_loss_tokens().sum()), 1))
 
 
-class MetricsLog:
-    """metrics.jsonl: one JSON object per line, flushed as written; truncatable on resume."""
-
-    def __init__(self, path: Path, keep_lines: int | None = None):
-        import json
-
-        self.path, self._json = path, json
-        self.enabled = Distributed.current().is_main  # under torchrun, rank 0 writes it
-        lines = path.read_text().splitlines() if path.exists() else []
-        if keep_lines is not None:
-            lines = lines[:keep_lines]
-        if self.enabled:
-            path.write_text("".join(line + "\n" for line in lines))
-        self.lines = len(lines)
-
-    def write(self, record: dict[str, Any]) -> None:
-        if self.enabled:
-            with open(self.path, "a") as f:
-                f.write(self._json.dumps(record) + "\n")
-        self.lines += 1
-
-
 def _after_step(step: int) -> None:
     """Called after every optimizer step (tests replace it to simulate an interruption)."""
 
@@ -291,6 +275,7 @@ class Trainer:
     policy: PrecisionPolicy
     pad_id: int
     folder: Path
+    wandb_run: Any = None
     optimizer: torch.optim.AdamW = field(init=False)
     scaler: Any = field(init=False)
 
@@ -310,24 +295,24 @@ class Trainer:
             return None
         return mean_loss(self.model, self.data.eval, self.policy, self.pad_id, self.cfg.token_batch_size)
 
-    def resume(self, log_path: Path) -> tuple[int, float, MetricsLog]:
-        """Start step, train seconds so far and the metrics log (restored from a checkpoint if any)."""
-        folder = self.folder / ckpt.CHECKPOINT_DIR
-        if not folder.exists():
-            return 0, 0.0, MetricsLog(log_path, keep_lines=0)
+    def resume(self, log: MetricsLog) -> tuple[int, float]:
+        """Start step and train seconds so far (restored from a checkpoint if any); the metrics
+        log is cut back to the checkpoint's step."""
+        folder = ckpt.find_checkpoint(self.folder / ckpt.CHECKPOINT_DIR)
+        if folder is None:
+            log.truncate_after(-1)
+            return 0, 0.0
         state = ckpt.load_checkpoint(folder, self.model, self.optimizer, self.scaler)
         note(f"resuming from step {state['step']} of {len(self.steps)}")
-        return (
-            int(state["step"]),
-            float(state["train_s"]),
-            MetricsLog(log_path, keep_lines=state["metric_lines"]),
-        )
+        log.truncate_after(int(state["step"]))
+        return int(state["step"]), float(state["train_s"])
 
     def run(self) -> dict[str, Any]:
         cfg = self.cfg
-        start, train_s, log = self.resume(self.folder / "metrics.jsonl")
+        log = MetricsLog(self.folder / "metrics.jsonl", self.wandb_run)
+        start, train_s = self.resume(log)
         if start == 0:
-            log.write({"step": 0, "eval_loss": self.eval_loss()})
+            log.log({"step": 0, "eval_loss": self.eval_loss()})
         self.model.train()
         window = np.zeros(4)  # summed loss, loss tokens, real tokens, seconds since the last log line
         n_examples = sum(len(ids) for _, ids in self.steps)
@@ -354,7 +339,7 @@ class Trainer:
                 window += (loss, toks, real, seconds)
                 bar.update(len(ids), real, loss=f"{loss / max(toks, 1):.3f}")
                 if (step + 1) % cfg.log_every == 0 or step + 1 == len(self.steps):
-                    log.write(self.log_record(step + 1, epoch, lr, norm, window, train_s))
+                    log.log(self.log_record(step + 1, epoch, lr, norm, window, train_s))
                     window[:] = 0
                 self.periodic(step + 1, train_s, log)
                 _after_step(step + 1)
@@ -378,9 +363,9 @@ class Trainer:
         if step == len(self.steps):
             return
         if cfg.eval_every and step % cfg.eval_every == 0:
-            log.write({"step": step, "eval_loss": self.eval_loss()})
+            log.log({"step": step, "eval_loss": self.eval_loss()})
         if cfg.save_every and step % cfg.save_every == 0:  # every rank gathers, rank 0 writes
-            state = {"step": step, "train_s": train_s, "metric_lines": log.lines}
+            state = {"step": step, "train_s": train_s}
             ckpt.save_checkpoint(
                 self.folder / ckpt.CHECKPOINT_DIR, self.model, self.optimizer, self.scaler, state
             )
@@ -430,12 +415,15 @@ def run_finetune(cfg: FinetuneConfig) -> dict[str, Any]:
         else:
             model = load_model(cfg.model, policy, cfg.runtime.attention)
             dist.broadcast_module_(model)  # identical start on every rank (as DDP)
-        trainer = Trainer(cfg, model, data, policy, tokenizer.pad_token_id, run.path)
+        wandb_run = None
+        if cfg.wandb and dist.is_main:
+            wandb_run = start_wandb(cfg.wandb_project, Path(cfg.out).name, config_to_dict(cfg), run.path)
+        trainer = Trainer(cfg, model, data, policy, tokenizer.pad_token_id, run.path, wandb_run)
         trained = count_parameters(model)
         note(f"training {trained[0]:,} of {trained[1]:,} parameters, {len(trainer.steps)} steps")
         result = trainer.run()
         losses = final_losses(trainer)
-        result["log"].write({"step": result["steps"], "final": True, **losses})
+        result["log"].log({"step": result["steps"], "final": True, **losses})
         save_outputs(trainer, run.path, tokenizer)
         summary = {
             **losses,
@@ -448,6 +436,7 @@ def run_finetune(cfg: FinetuneConfig) -> dict[str, Any]:
         }
         write_json(run.path / "summary.json", summary)
         shutil.rmtree(run.path / ckpt.CHECKPOINT_DIR, ignore_errors=True)
+        result["log"].close()
     shown = {k: v for k, v in losses.items() if v is not None}
     say(f"{cfg.out}: " + ", ".join(f"{k} {v:.4f}" for k, v in shown.items()) + f" ({result['steps']} steps)")
     return summary
