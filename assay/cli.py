@@ -1,7 +1,7 @@
-"""The `assay` command: one table of commands, each a typed config and a run function.
+"""The `assay` command line: finds the command in `assay.commands.COMMANDS`, parses its flags into
+its typed config (through tyro) and runs it; every error a user can cause is one line, exit 2.
 
-Flags come from each config's dataclass fields; their docstrings are the `--help` text.
-Configs and run functions are imported lazily so `assay --help` starts instantly.
+Command modules are imported only when run, so `assay --help` starts instantly.
 """
 
 from __future__ import annotations
@@ -10,89 +10,17 @@ import importlib
 import sys
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
+from assay.commands import COMMANDS, Command
 from assay.core.errors import AssayError
 from assay.core.memory import return_freed_memory
 
 
-@dataclass(frozen=True)
-class Command:
-    """A CLI command: its config class and run function, as `module:name` strings."""
-
-    config: str
-    run: str
-    summary: str
-    libraries: tuple[str, ...] = (
-        "transformers.modeling_utils",
-        "transformers.models.auto.modeling_auto",
-        "transformers.models.auto.tokenization_auto",
-    )
-    """Modules `entry` imports ahead of the run (the model and data libraries it uses)."""
-
-    def load(self) -> tuple[type, Callable[[Any], Any]]:
-        return _import(self.config), _import(self.run)
-
-
-def _import(spec: str) -> Any:
-    module, name = spec.split(":")
-    return getattr(importlib.import_module(module), name)
-
-
-COMMANDS: dict[str, Command] = {
-    "eval": Command(
-        "assay.training.evaluate:EvalConfig",
-        "assay.training.evaluate:run_eval",
-        "Per-example and mean loss of a model on a dataset.",
-    ),
-    "build": Command(
-        "assay.attribution.build:BuildConfig",
-        "assay.attribution.build:run_build",
-        "Per-example projected loss gradients of a dataset, streamed to an on-disk index.",
-    ),
-    "finetune": Command(
-        "assay.training.finetune:FinetuneConfig",
-        "assay.training.finetune:run_finetune",
-        "Fine-tune a causal LM (full or LoRA) on a dataset or a selected subset.",
-    ),
-    "filter": Command(
-        "assay.selection.filter:FilterConfig",
-        "assay.selection.filter:run_filter",
-        "Select training examples by random, loss, gradient cosine or TrackStar scores.",
-    ),
-    "coreset": Command(
-        "assay.selection.coreset:CoresetConfig",
-        "assay.selection.coreset:run_coreset",
-        "Data selection proven by retraining: full vs random vs loss vs gradcos vs TrackStar.",
-    ),
-    "score": Command(
-        "assay.attribution.score:ScoreConfig",
-        "assay.attribution.score:run_score",
-        "Attribute queries to the training examples of an index (TrackStar and other modes).",
-    ),
-    "sae train": Command(
-        "assay.sae.config:SaeTrainConfig",
-        "assay.sae.train:run_sae_train",
-        "Train a sparse autoencoder on a model's activations at one module (fp32 or bf16 autocast).",
-    ),
-    "sae eval": Command(
-        "assay.sae.config:SaeEvalConfig",
-        "assay.sae.evaluate:run_sae_eval",
-        "Reconstruction and splice metrics (CE loss score, KL) of an SAE in SAELens format.",
-    ),
-    "report": Command(
-        "assay.report.command:ReportConfig",
-        "assay.report.command:run_report",
-        "One self-contained HTML report (charts, top examples, SAE feature browser) of run folders.",
-        libraries=(),
-    ),
-    "demo": Command(
-        "assay.commands.demo:DemoConfig",
-        "assay.commands.demo:run_demo",
-        "The main job on the bundled defaults: real data, a real small model.",
-    ),
-}
+def load(command: Command) -> tuple[type, Callable[[Any], Any]]:
+    """The command's config class and run function (importing its module)."""
+    module = importlib.import_module(command.path)
+    return module.Config, module.run
 
 
 def _usage() -> str:
@@ -125,7 +53,7 @@ def parse(name: str, args: Sequence[str]) -> tuple[Any, Callable[[Any], Any]]:
     """Parse a command's flags into its config (through tyro)."""
     import tyro
 
-    config_cls, run = COMMANDS[name].load()
+    config_cls, run = load(COMMANDS[name])
     cfg: Any = tyro.cli(
         config_cls,
         args=list(args),
@@ -147,7 +75,7 @@ def replay(args: list[str]) -> Any:
     saved = load_run_config(args[0])
     if saved["command"] not in COMMANDS:
         raise AssayError(f"{args[0]} was made by an unknown command {saved['command']!r}")
-    config_cls, run = COMMANDS[saved["command"]].load()
+    config_cls, run = load(COMMANDS[saved["command"]])
     data = dict(saved["config"])
     if "--out" in args:
         data["out"] = args[args.index("--out") + 1]
@@ -171,7 +99,7 @@ def entry() -> int:
     command = _command_to_preload(sys.argv[1:])
     if command is not None:
         with frozen_imports():
-            command.load()
+            load(command)
             for library in command.libraries:
                 importlib.import_module(library)
     code = main()

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from assay.attribution.build import BuildConfig, run_build
+from assay.attribution.build import BuildConfig, build_index
 from assay.attribution.score import ScoreConfig, run_score
 from assay.core.config import DataConfig, ModelConfig, RuntimeConfig
 
@@ -30,7 +30,7 @@ def top_overlap(a: np.ndarray, b: np.ndarray, k: int = 10) -> float:
 
 def scores_at(tmp: Path, precision: str, args: argparse.Namespace) -> dict[str, np.ndarray]:
     index = tmp / f"index-{precision}"
-    run_build(
+    build_index(
         BuildConfig(
             out=str(index),
             model=ModelConfig(model=args.model),

@@ -17,11 +17,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from assay.core.config import DataConfig, ModelConfig, RuntimeConfig
+from assay.core.config import DataConfig, ModelConfig, QueryConfig, RuntimeConfig
 from assay.core.errors import AssayError
-from assay.selection.coreset import CoresetConfig, run_coreset
-from assay.selection.filter import FilterConfig, read_selection, run_filter
-from assay.training.finetune import run_finetune
+from assay.selection.coreset import CoresetConfig, run_experiment
+from assay.selection.filter import FilterConfig, read_selection, select
+from assay.training.finetune import finetune
 
 NOTES = "ABcdefgab"
 WORDS = "the king and queen of night walk slowly over fields where rivers run under cold grey skies".split()
@@ -70,7 +70,7 @@ def experiment(tmp_path_factory, tiny_model_dir):
         micro_batch_size=4,
         token_batch_size=2048,
     )
-    results = run_coreset(cfg)
+    results = run_experiment(cfg)
     return cfg, results, root
 
 
@@ -89,14 +89,13 @@ def test_trackstar_beats_random_and_the_other_tail_does_not(experiment):
     assert trackstar_loss < random_loss - MARGIN, (trackstar_loss, random_loss)
     # the control: the bottom of the same ranking, retrained the same way
     exp = Path(cfg.out)
-    lowest = run_filter(
+    lowest = select(
         FilterConfig(
             out=str(root / "lowest"),
             data=cfg.data,
             strategy="trackstar",
             query="eval",
-            query_dataset=cfg.query_dataset,
-            query_split="train",
+            queries=QueryConfig(query_dataset=cfg.query_dataset, query_split="train"),
             fraction=cfg.fraction,
             lowest=True,
             index=str(exp / "index" / "fp32"),
@@ -110,7 +109,7 @@ def test_trackstar_beats_random_and_the_other_tail_does_not(experiment):
 
     ft = config_from_dict(FinetuneConfig, retrained)
     ft = replace(ft, out=str(root / "retrain_lowest"), selection=str(root / "lowest"))
-    assert run_finetune(ft)["eval_loss"] > trackstar_loss + MARGIN  # the ranking's direction matters
+    assert finetune(ft)["eval_loss"] > trackstar_loss + MARGIN  # the ranking's direction matters
 
 
 def test_experiment_outputs_and_resume(experiment, capsys):
@@ -122,4 +121,4 @@ def test_experiment_outputs_and_resume(experiment, capsys):
     stages = json.loads((exp / "stages.json").read_text())
     assert {"full/seed0", "index/fp32", "retrain/random/seed0", "retrain/trackstar_fp32/seed0"} <= set(stages)
     with pytest.raises(AssayError, match="finished"):
-        run_coreset(cfg)
+        run_experiment(cfg)

@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from assay.core.config import DataConfig, ModelConfig, RuntimeConfig
+from assay.core.config import DataConfig, ModelConfig, QueryConfig, RuntimeConfig
 from assay.core.errors import AssayError
-from assay.selection.filter import FilterConfig, read_selection, run_filter, select_top
+from assay.selection.filter import FilterConfig, read_selection, select, select_top
 from assay.training.evaluate import mean_token_loss
 from tests.test_coreset import prose, tune
 
@@ -39,14 +39,14 @@ def cfg(pool: dict, model_dir: Path, name: str, **kw) -> FilterConfig:
 @pytest.fixture(scope="module")
 def index(pool, tiny_model_dir) -> str:
     """TrackStar self-selection builds the pool's index in OUT/index; other tests reuse it."""
-    run_filter(cfg(pool, tiny_model_dir, "trackstar_self", strategy="trackstar", num_examples=8))
+    select(cfg(pool, tiny_model_dir, "trackstar_self", strategy="trackstar", num_examples=8))
     return str(pool["root"] / "trackstar_self" / "index")
 
 
 def test_random_is_seeded_and_uniform(pool, tiny_model_dir):
-    run_filter(cfg(pool, tiny_model_dir, "r0", strategy="random", num_examples=5))
-    run_filter(cfg(pool, tiny_model_dir, "r0b", strategy="random", num_examples=5))
-    run_filter(cfg(pool, tiny_model_dir, "r1", strategy="random", fraction=0.25, seed=1))
+    select(cfg(pool, tiny_model_dir, "r0", strategy="random", num_examples=5))
+    select(cfg(pool, tiny_model_dir, "r0b", strategy="random", num_examples=5))
+    select(cfg(pool, tiny_model_dir, "r1", strategy="random", fraction=0.25, seed=1))
     a, b, c = (read_selection(pool["root"] / n) for n in ("r0", "r0b", "r1"))
     assert a.tolist() == b.tolist() and len(c) == 5 and set(a) != set(c)
     assert set(a) <= set(range(20))
@@ -57,9 +57,9 @@ def test_loss_keeps_the_highest_and_lowest_losses(pool, tiny_model_dir, index):
     ref = mean_token_loss(ModelConfig(model=str(tiny_model_dir)), data, RuntimeConfig(precision="fp32"))
     per_token = ref["losses"] / ref["tokens"]
     order = ref["ids"][np.argsort(-per_token)]
-    run_filter(cfg(pool, tiny_model_dir, "loss_hi", strategy="loss", num_examples=4))
-    run_filter(cfg(pool, tiny_model_dir, "loss_lo", strategy="loss", num_examples=4, lowest=True))
-    run_filter(cfg(pool, tiny_model_dir, "loss_ix", strategy="loss", num_examples=4, index=index))
+    select(cfg(pool, tiny_model_dir, "loss_hi", strategy="loss", num_examples=4))
+    select(cfg(pool, tiny_model_dir, "loss_lo", strategy="loss", num_examples=4, lowest=True))
+    select(cfg(pool, tiny_model_dir, "loss_ix", strategy="loss", num_examples=4, index=index))
     assert read_selection(pool["root"] / "loss_hi").tolist() == order[:4].tolist()
     assert read_selection(pool["root"] / "loss_lo").tolist() == order[::-1][:4].tolist()
     assert read_selection(pool["root"] / "loss_ix").tolist() == order[:4].tolist()  # from the index's losses
@@ -68,12 +68,12 @@ def test_loss_keeps_the_highest_and_lowest_losses(pool, tiny_model_dir, index):
 @pytest.mark.parametrize("strategy", ["gradcos", "trackstar"])
 def test_gradient_strategies_find_the_known_answer(pool, tiny_model_dir, index, strategy):
     # query = prose: the 4 prose lines of the pool (ids 16..19) must rank first
-    run_filter(cfg(pool, tiny_model_dir, f"{strategy}_q", strategy=strategy, num_examples=4, index=index,
-                   query="eval", query_dataset=pool["query"], query_split="train"))  # fmt: skip
+    select(cfg(pool, tiny_model_dir, f"{strategy}_q", strategy=strategy, num_examples=4, index=index,
+                   query="eval", queries=QueryConfig(query_dataset=pool["query"], query_split="train")))  # fmt: skip
     assert sorted(read_selection(pool["root"] / f"{strategy}_q")) == [16, 17, 18, 19]
     # query = the pool itself: the most typical examples are tunes (16 of 20), the least are prose
-    run_filter(cfg(pool, tiny_model_dir, f"{strategy}_s", strategy=strategy, num_examples=4, index=index))
-    run_filter(
+    select(cfg(pool, tiny_model_dir, f"{strategy}_s", strategy=strategy, num_examples=4, index=index))
+    select(
         cfg(
             pool,
             tiny_model_dir,
@@ -93,7 +93,7 @@ def test_gradient_strategies_find_the_known_answer(pool, tiny_model_dir, index, 
 
 def test_bad_input(pool, tiny_model_dir):
     with pytest.raises(AssayError, match="more than the 20 examples"):
-        run_filter(cfg(pool, tiny_model_dir, "too_many", strategy="random", num_examples=21))
+        select(cfg(pool, tiny_model_dir, "too_many", strategy="random", num_examples=21))
     with pytest.raises(AssayError, match="unknown --strategy"):
         cfg(pool, tiny_model_dir, "bad", strategy="influence", num_examples=2)
     with pytest.raises(AssayError, match="needs the query set"):
@@ -103,9 +103,7 @@ def test_bad_input(pool, tiny_model_dir):
     with pytest.raises(AssayError, match="exactly one"):
         cfg(pool, tiny_model_dir, "neither", strategy="random")
     with pytest.raises(AssayError, match="not a gradient index"):
-        run_filter(
-            cfg(pool, tiny_model_dir, "noindex", strategy="trackstar", num_examples=2, index=pool["pool"])
-        )
+        select(cfg(pool, tiny_model_dir, "noindex", strategy="trackstar", num_examples=2, index=pool["pool"]))
 
 
 def test_select_top_breaks_ties_by_id():

@@ -67,14 +67,14 @@ def weights(folder: Path) -> dict[str, torch.Tensor]:
 
 def test_lora_trains_only_adapter_and_full_trains_everything(tmp_path, tiny_model_dir, data_jsonl):
     base = weights(tiny_model_dir)
-    ft.run_finetune(make_cfg(tmp_path / "lora", tiny_model_dir, data_jsonl, lora_rank=4, max_steps=2))
+    ft.finetune(make_cfg(tmp_path / "lora", tiny_model_dir, data_jsonl, lora_rank=4, max_steps=2))
     adapter = weights(tmp_path / "lora" / "model")
     assert adapter and all("lora_" in k for k in adapter)
     assert any(k.endswith("lora_B.weight") and v.abs().sum() > 0 for k, v in adapter.items())  # B starts at 0
     moments = load_second_moments(tmp_path / "lora")
     assert moments and all("lora_" in k for k in moments)
 
-    ft.run_finetune(make_cfg(tmp_path / "full", tiny_model_dir, data_jsonl, max_steps=2))
+    ft.finetune(make_cfg(tmp_path / "full", tiny_model_dir, data_jsonl, max_steps=2))
     full = weights(tmp_path / "full" / "model")
     changed = [k for k in base if not torch.equal(base[k], full[k])]
     assert set(changed) == set(base)  # every parameter moved
@@ -117,21 +117,21 @@ def test_gradient_accumulation_matches_one_big_batch(tiny_model_dir, data_jsonl)
 def test_accumulated_runs_give_the_same_model(tmp_path, tiny_model_dir, data_jsonl):
     a = make_cfg(tmp_path / "a", tiny_model_dir, data_jsonl, micro_batch_size=8, max_steps=2)
     b = make_cfg(tmp_path / "b", tiny_model_dir, data_jsonl, micro_batch_size=2, max_steps=2)
-    ft.run_finetune(a), ft.run_finetune(b)
+    ft.finetune(a), ft.finetune(b)
     wa, wb = weights(tmp_path / "a" / "model"), weights(tmp_path / "b" / "model")
     for name in wa:
         torch.testing.assert_close(wa[name], wb[name], rtol=1e-4, atol=1e-6)
 
 
 def test_ordered_replays_the_full_runs_order(tmp_path, tiny_model_dir, data_jsonl):
-    ft.run_finetune(make_cfg(tmp_path / "full", tiny_model_dir, data_jsonl, num_epochs=2, max_steps=1))
+    ft.finetune(make_cfg(tmp_path / "full", tiny_model_dir, data_jsonl, num_epochs=2, max_steps=1))
     full = json.loads((tmp_path / "full" / "order.json").read_text())["epochs"]
     assert len(full) == 2 and sorted(full[0]) == list(range(24)) and full[0] != full[1]
     chosen = [3, 17, 5, 11, 20, 0]
     (tmp_path / "ids.txt").write_text("\n".join(map(str, chosen)))
     cfg = make_cfg(tmp_path / "sub", tiny_model_dir, data_jsonl, num_epochs=2, max_steps=1)
     cfg.selection, cfg.ordered = str(tmp_path / "ids.txt"), str(tmp_path / "full")
-    summary = ft.run_finetune(cfg)
+    summary = ft.finetune(cfg)
     sub = json.loads((tmp_path / "sub" / "order.json").read_text())["epochs"]
     for e in range(2):
         assert sub[e] == [i for i in full[e] if i in chosen]
@@ -144,7 +144,7 @@ def test_ordered_replays_the_full_runs_order(tmp_path, tiny_model_dir, data_json
 
 def test_interrupted_run_resumes_to_the_same_result(tmp_path, tiny_model_dir, data_jsonl, monkeypatch):
     ref = make_cfg(tmp_path / "ref", tiny_model_dir, data_jsonl, num_epochs=2, micro_batch_size=2)
-    ft.run_finetune(ref)
+    ft.finetune(ref)
 
     def stop(step: int) -> None:
         if step == 4:
@@ -155,11 +155,11 @@ def test_interrupted_run_resumes_to_the_same_result(tmp_path, tiny_model_dir, da
     )
     monkeypatch.setattr(ft, "_after_step", stop)
     with pytest.raises(KeyboardInterrupt):
-        ft.run_finetune(cfg)
+        ft.finetune(cfg)
     assert (tmp_path / "run.part" / "checkpoint" / "state.json").exists()
     steps_seen = []
     monkeypatch.setattr(ft, "_after_step", steps_seen.append)
-    ft.run_finetune(cfg)
+    ft.finetune(cfg)
     assert steps_seen[0] == 4  # resumed after the step-3 checkpoint
     for name, w in weights(tmp_path / "ref" / "model").items():
         torch.testing.assert_close(weights(tmp_path / "run" / "model")[name], w, rtol=1e-5, atol=1e-6)
@@ -213,4 +213,4 @@ def test_selection_files_and_bad_input(tmp_path, tiny_model_dir, data_jsonl):
     (tmp_path / "far.txt").write_text("1000")
     cfg = make_cfg(tmp_path / "x", tiny_model_dir, data_jsonl, selection=str(tmp_path / "far.txt"))
     with pytest.raises(AssayError, match="not in this dataset"):
-        ft.run_finetune(cfg)
+        ft.finetune(cfg)

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from assay.lm import head_loss
 from assay.core.precision import PrecisionPolicy
+from assay.lm import head_loss
 from assay.lm.data import collate
 from assay.lm.head_loss import fusable_head
 from assay.lm.losses import example_losses, token_losses

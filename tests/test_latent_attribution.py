@@ -13,7 +13,7 @@ from torch import nn
 from assay.attribution.build import GradientSetup, collect
 from assay.attribution.collector import linear_modules
 from assay.attribution.projection import Projector
-from assay.bridge.latent import latent_objective, latent_query_gradients, load_sae
+from assay.bridge.latent import latent_objective, latent_query_gradients, load_hooked_sae
 from assay.core.errors import AssayError
 from assay.core.precision import PrecisionPolicy
 from assay.lm.data import Examples, collate
@@ -87,13 +87,13 @@ def test_query_gradient_equals_autograd_of_the_latent(tmp_path, arch):
     """Batched, padded collection == per-example autograd of -Σ_t a_L(h_t), module by module."""
     model = make_llama(VOCAB, seed=1).eval()
     tensors = random_sae(32, 64, seed=2, architecture=arch)
-    sae = load_sae(save_sae(tmp_path / "sae", tensors, arch, k=8 if arch == "topk" else None))
+    sae = load_hooked_sae(save_sae(tmp_path / "sae", tensors, arch, k=8 if arch == "topk" else None))
     examples = examples_of([5, 11, 8, 3], seed=3)
     with torch.no_grad():  # the latent that fires most on these texts
         h = model(
             input_ids=torch.from_numpy(examples.tokens[None].astype(np.int64)), output_hidden_states=True
         )
-        latent = int(sae.encode(h.hidden_states[1][0]).sum(0).argmax())
+        latent = int(sae.sae.encode(h.hidden_states[1][0]).sum(0).argmax())
     setup = setup_for(model)
     got = collect(setup, examples, token_batch_size=64, objective=latent_objective(sae, latent))  # [4, D]
     slots = setup.collector().slots
@@ -114,7 +114,7 @@ def test_query_gradient_equals_autograd_of_the_latent(tmp_path, arch):
 def test_projected_and_bf16_query_gradients(tmp_path):
     """The projected rows are the projection of the raw ones; bf16 autocast agrees with fp32."""
     model = make_llama(VOCAB, seed=1).eval()
-    sae = load_sae(
+    sae = load_hooked_sae(
         save_sae(tmp_path / "sae", random_sae(32, 64, seed=2, architecture="standard"), "standard")
     )
     examples = examples_of([6, 9, 12], seed=4)
@@ -186,12 +186,12 @@ def test_planted_driver_ranks_first_and_scores_predict_retraining(tmp_path):
     with torch.no_grad():
         h = model(input_ids=q_tokens[None], output_hidden_states=True).hidden_states[1][0]
         tensors["b_enc"][0] = 1.0 - ((h - tensors["b_dec"]) @ tensors["W_enc"][:, 0]).min()  # always active
-    sae = load_sae(save_sae(tmp_path / "sae", tensors, "standard"))
+    sae = load_hooked_sae(save_sae(tmp_path / "sae", tensors, "standard"))
 
     def feature() -> float:
         with torch.no_grad():
             h = model(input_ids=q_tokens[None], output_hidden_states=True).hidden_states[1][0]
-            return float(sae.encode(h)[:, 0].sum())
+            return float(sae.sae.encode(h)[:, 0].sum())
 
     before, measured = feature(), []
     for i in range(len(train)):
@@ -211,10 +211,10 @@ def test_planted_driver_ranks_first_and_scores_predict_retraining(tmp_path):
 
 def test_load_sae_errors_and_silent_latent(tmp_path):
     with pytest.raises(AssayError, match="holds no SAE"):
-        load_sae(tmp_path)
+        load_hooked_sae(tmp_path)
     sae_dir = save_sae(tmp_path / "sae", random_sae(32, 16, seed=0), "topk", k=4)
-    sae = load_sae(sae_dir)
-    assert sae.architecture == "topk" and sae.k == 4 and sae.hookpoint == HOOK
+    sae = load_hooked_sae(sae_dir)
+    assert sae.sae.arch.architecture == "topk" and sae.sae.arch.k == 4 and sae.hookpoint == HOOK
     with pytest.raises(AssayError, match="--latent"):
         latent_objective(sae, 16)
     tensors = random_sae(32, 16, seed=0, architecture="standard")
@@ -222,7 +222,7 @@ def test_load_sae_errors_and_silent_latent(tmp_path):
     dead_dir = save_sae(tmp_path / "dead", tensors, "standard")
     model = make_llama(VOCAB, seed=1).eval()
     with pytest.raises(AssayError, match="never fires"):
-        latent_query_gradients(None, dead_dir, 2, examples_of([6, 7], seed=0), setup=setup_for(model))
+        latent_query_gradients(setup_for(model), load_hooked_sae(dead_dir), 2, examples_of([6, 7], seed=0))
 
 
 def test_latent_query_against_a_built_index(tmp_path, tiny_model_dir, texts_jsonl):
@@ -230,7 +230,7 @@ def test_latent_query_against_a_built_index(tmp_path, tiny_model_dir, texts_json
     and scoring them ranks training rows exactly as an explicit inner product / cosine does."""
     import assay
     from assay.attribution.build import setup_from_index
-    from assay.attribution.score import score_index
+    from assay.attribution.score import ScoreOptions, score_index
     from assay.core.config import DataConfig
     from assay.lm.data import load_examples
 
@@ -240,17 +240,17 @@ def test_latent_query_against_a_built_index(tmp_path, tiny_model_dir, texts_json
     setup = setup_from_index(index, device="cpu")
     sae_dir = save_sae(tmp_path / "sae", random_sae(32, 64, seed=3, architecture="standard"), "standard")
     _, queries = load_examples(DataConfig(dataset=str(texts_jsonl), max_samples=2), setup.tokenizer)
-    sae = load_sae(sae_dir)
+    sae = load_hooked_sae(sae_dir)
     with torch.no_grad():
         h = setup.model(
             input_ids=torch.from_numpy(queries.tokens_of(0)[None].astype(np.int64)), output_hidden_states=True
         )
-        latent = int(sae.encode(h.hidden_states[1][0]).sum(0).argmax())
-    grads = latent_query_gradients(index, sae_dir, latent, queries, 64, setup=setup)  # [2, D]
+        latent = int(sae.sae.encode(h.hidden_states[1][0]).sum(0).argmax())
+    grads = latent_query_gradients(setup, sae, latent, queries, 64)  # [2, D]
     assert grads.shape == (2, index.dim) and np.all(np.abs(grads).sum(1) > 0)
     rows = np.asarray(index.gradients, dtype=np.float64)  # [N, D]
     for mode, ref in (("inner", rows @ grads[0]), ("cosine", rows @ grads[0] / np.linalg.norm(rows, axis=1))):
-        top, _ = score_index(index, torch.from_numpy(grads[:1]), mode=mode, top_k=3)
+        top, _ = score_index(index, torch.from_numpy(grads[:1]), ScoreOptions(mode=mode, top_k=3))
         assert list(top.top_rows[0]) == list(np.argsort(-ref)[:3])
 
 
@@ -258,13 +258,15 @@ def test_most_active_latent_matches_a_dense_count(tmp_path):
     from assay.bridge.latent import most_active_latent
 
     model = make_llama(VOCAB, seed=1).eval()
-    sae = load_sae(save_sae(tmp_path / "sae", random_sae(32, 64, seed=2), "topk", k=8))
+    sae = load_hooked_sae(save_sae(tmp_path / "sae", random_sae(32, 64, seed=2), "topk", k=8))
     examples = examples_of([5, 11, 8], seed=3)
     sums = torch.zeros(64)
     for i in range(len(examples)):  # each example alone: no padding at all
         tokens = torch.from_numpy(examples.tokens_of(i)[None].astype(np.int64))
         with torch.no_grad():
-            sums += sae.encode(model(input_ids=tokens, output_hidden_states=True).hidden_states[1][0]).sum(0)
+            sums += sae.sae.encode(
+                model(input_ids=tokens, output_hidden_states=True).hidden_states[1][0]
+            ).sum(0)
     assert most_active_latent(model, sae, examples, pad_id=0, token_batch_size=32) == int(sums.argmax())
 
 
@@ -275,8 +277,11 @@ def test_score_cli_attributes_a_latent(tmp_path, tiny_model_dir, texts_jsonl, ca
 
     import assay
     from assay.attribution.build import setup_from_index
-    from assay.attribution.score import ScoreConfig, load_queries
+    from assay.attribution.score import ScoreOptions
     from assay.cli import main
+    from assay.commands.score import ScoreConfig, pick_latent
+    from assay.core.config import QueryConfig
+    from assay.lm.queries import load_queries
 
     idx, sae_dir = tmp_path / "idx", tmp_path / "sae"
     _build_index(idx, tiny_model_dir, texts_jsonl)
@@ -295,9 +300,9 @@ def test_score_cli_attributes_a_latent(tmp_path, tiny_model_dir, texts_jsonl, ca
     index = assay.open_index(idx)
     setup = setup_from_index(index, device="cpu")
     queries = load_queries(
-        ScoreConfig(out="x", index=str(idx), query_text=tuple(texts)), index, setup.tokenizer
+        QueryConfig(query_text=tuple(texts)), index.meta["data"]["max_length"], setup.tokenizer
     )
-    grads = latent_query_gradients(index, sae_dir, 7, queries.examples, 64, setup=setup)  # [2, D]
+    grads = latent_query_gradients(setup, load_hooked_sae(sae_dir), 7, queries.examples, 64)  # [2, D]
     ref = np.asarray(index.gradients, dtype=np.float64) @ grads.T.astype(np.float64)  # [N, 2]
     for q, record in enumerate(records):
         assert [pid for pid, _ in record["proponents"]] == [
@@ -310,11 +315,11 @@ def test_score_cli_attributes_a_latent(tmp_path, tiny_model_dir, texts_jsonl, ca
     assert "go together" in capsys.readouterr().err
     assert main([*score, "--query_sae", str(sae_dir), "--latent", "8", "--overwrite"]) == 2
     assert "never fires" in capsys.readouterr().err
-    from assay.bridge.latent import score_latent
-
-    picked = ScoreConfig(out=str(tmp_path / "picked"), index=str(idx), query_text=tuple(texts), mode="inner")
-    score_latent(picked, str(sae_dir))  # no latent given: the one most active on the queries (7)
-    assert json.loads((tmp_path / "picked" / "config.json").read_text())["config"]["latent"] == 7
+    picked = ScoreConfig(
+        out=str(tmp_path / "picked"), index=str(idx), queries=QueryConfig(query_text=tuple(texts)),
+        options=ScoreOptions(mode="inner"),
+    )  # fmt: skip
+    assert pick_latent(picked, str(sae_dir)) == 7  # the latent most active on the queries
 
 
 def _build_index(out, model_dir, data) -> None:

@@ -12,8 +12,8 @@ from torch.utils.checkpoint import checkpoint
 
 import assay.attribution.collector as collector_module
 from assay.attribution.projection import Projector
-from assay.lm import lean
 from assay.core.precision import PrecisionPolicy
+from assay.lm import lean
 from assay.lm.lean import keep_compute_casts, recompute_elementwise
 from tests.test_collector import collect_all, random_examples, tiny_gpt2, tiny_llama
 

@@ -254,8 +254,10 @@ def test_feature_browser_against_a_dense_reference(dead_head):
     alone (no padding); with the lowest latents dead the second pass gives the same answers."""
     import torch
 
-    from assay.bridge.latent import SaeWeights
+    from assay.bridge.latent import HookedSae
     from assay.report.features import TOP_CONTEXTS, browse
+    from assay.sae.config import SaeArchConfig
+    from assay.sae.model import SparseAutoencoder
     from tests.conftest import make_llama, make_tokenizer
 
     tok = make_tokenizer()
@@ -265,7 +267,10 @@ def test_feature_browser_against_a_dense_reference(dead_head):
     b_enc = torch.zeros(64)
     if dead_head:
         b_enc[:20] = -1e3  # latents 0..19 never fire: the first 4 live ones lie past the kept head
-    sae = SaeWeights(w, b_enc, w.T.clone(), torch.zeros(32), None, "topk", 6, "model.layers.0", True, {})
+    sae = HookedSae(SparseAutoencoder(32, 64, SaeArchConfig(architecture="topk", k=6)), "model.layers.0")
+    with torch.no_grad():
+        for name, value in (("W_enc", w), ("b_enc", b_enc), ("W_dec", w.T), ("b_dec", torch.zeros(32))):
+            getattr(sae.sae, name).copy_(value)
     rng = np.random.default_rng(0)
     seqs = [rng.integers(1, len(tok), size=n).astype(np.int32) for n in (9, 17, 5, 12, 14)]
     fb = browse(model, tok, sae, seqs, [10, 11, 12, 13, 14], 4, torch.device("cpu"), batch=2)
@@ -274,7 +279,7 @@ def test_feature_browser_against_a_dense_reference(dead_head):
             model(input_ids=torch.from_numpy(s[None].astype(np.int64)), output_hidden_states=True)
             for s in seqs
         ]
-        dense = [sae.encode(out.hidden_states[1][0]).numpy() for out in hidden]  # [T_i, 64] each
+        dense = [sae.sae.encode(out.hidden_states[1][0]).numpy() for out in hidden]  # [T_i, 64] each
     allz = np.concatenate(dense)  # [tokens, 64]
     density = (allz > 0).mean(0)
     np.testing.assert_allclose(fb.density, density, rtol=1e-6)

@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from assay.attribution.build import BuildConfig, run_build
+from assay.attribution.build import BuildConfig, build_index
 from assay.attribution.index import open_index
-from assay.attribution.score import ScoreConfig, query_gradients, run_score, score_index
+from assay.attribution.score import ScoreOptions, score_index
 from assay.cli import main
-from assay.core.config import DataConfig, ModelConfig, RuntimeConfig
+from assay.commands.score import ScoreConfig, prepare_queries, run_score
+from assay.core.config import DataConfig, ModelConfig, QueryConfig, RuntimeConfig
 from assay.lm.data import load_table
 
 MODEL = "assay-tiny"
@@ -54,7 +55,7 @@ def setup(tmp_path_factory):
         runtime=RuntimeConfig(precision="fp32"),
         preconditioner="trackstar",
     )
-    run_build(cfg)
+    build_index(cfg)
     return root, data, texts, query
 
 
@@ -63,7 +64,7 @@ def test_self_attribution_trackstar(setup):
     root, _, texts, _ = setup
     index = open_index(root / "index")
     queries = torch.from_numpy(np.array(index.gradients, dtype=np.float32))  # [N, D]: every training row
-    top, whitening = score_index(index, queries, "trackstar", top_k=1)
+    top, whitening = score_index(index, queries, ScoreOptions(mode="trackstar", top_k=1))
     assert whitening is not None and whitening.mix == pytest.approx(0.5)  # queries = train: R = R_train
     best = index.ids[top.top_rows[:, 0].numpy()]
     hits = [b == i or texts[b] == texts[i] for i, b in zip(index.ids, best)]  # identical texts tie
@@ -74,8 +75,8 @@ def test_query_gradients_equal_index_rows(setup):
     """Queries are computed with exactly the index's settings: a training text as query = its row."""
     root, data, _, _ = setup
     index = open_index(root / "index")
-    cfg = ScoreConfig(out="", index=str(index.path), query_dataset=str(data), query_max_samples=5)
-    _, queries, grads = query_gradients(cfg, index)
+    queries = QueryConfig(query_dataset=str(data), query_max_samples=5)
+    _, queries, grads = prepare_queries(ScoreConfig(out="", index=str(index.path), queries=queries), index)
     positions = [index.ids.tolist().index(i) for i in queries.ids]
     rows = np.asarray(index.gradients[positions], dtype=np.float32)
     np.testing.assert_allclose(grads.numpy(), rows, rtol=1e-4, atol=1e-6 * np.abs(rows).max())
@@ -85,7 +86,14 @@ def test_planted_near_duplicate_is_top_proponent(setup):
     root, _, _, query = setup
     for mode in ("trackstar", "cosine"):
         out = root / f"planted-{mode}"
-        run_score(ScoreConfig(out=str(out), index=str(root / "index"), query_text=(query,), mode=mode))
+        run_score(
+            ScoreConfig(
+                out=str(out),
+                index=str(root / "index"),
+                queries=QueryConfig(query_text=(query,)),
+                options=ScoreOptions(mode=mode),
+            )
+        )
         rec = json.loads((out / "top.jsonl").read_text())
         assert rec["query"] == "text:0"
         assert rec["proponents"][0][0] == NUM_TUNES, (mode, rec["proponents"][:3])
@@ -129,8 +137,8 @@ def three_queries(setup):
     """Three training tunes as queries, their gradients computed once through the query path."""
     root, data, _, _ = setup
     index = open_index(root / "index")
-    cfg = ScoreConfig(out="", index=str(index.path), query_dataset=str(data), query_max_samples=3)
-    return index, query_gradients(cfg, index)[2]
+    queries = QueryConfig(query_dataset=str(data), query_max_samples=3)
+    return index, prepare_queries(ScoreConfig(out="", index=str(index.path), queries=queries), index)[2]
 
 
 def test_aggregates_agree_with_per_query_scores(three_queries):
@@ -138,7 +146,7 @@ def test_aggregates_agree_with_per_query_scores(three_queries):
     full = {}
     for agg in ("none", "mean", "max"):
         full[agg] = np.zeros((3 if agg == "none" else 1, len(index)), np.float32)
-        score_index(index, grads, "trackstar", agg, mix=0.3, scores_out=full[agg])
+        score_index(index, grads, ScoreOptions(aggregate=agg, mix=0.3), scores_out=full[agg])
     np.testing.assert_allclose(full["mean"][0], full["none"].mean(0), rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(full["max"][0], full["none"].max(0), rtol=1e-6)
 
@@ -149,7 +157,7 @@ def test_cached_row_norms_give_the_direct_scores(three_queries):
     got = {}
     for name, cache in (("direct", False), ("cached", True), ("cached-again", True)):
         got[name] = np.zeros((3, len(index)), np.float32)
-        score_index(index, grads, "trackstar", scores_out=got[name], cache_norms=cache)
+        score_index(index, grads, ScoreOptions(cache_norms=cache), scores_out=got[name])
     np.testing.assert_allclose(got["cached"], got["direct"], rtol=1e-4, atol=1e-6)
     np.testing.assert_array_equal(got["cached-again"], got["cached"])
 
@@ -160,10 +168,10 @@ def test_faiss_search_matches_exact_on_the_index(setup):
     found = {}
     for search in ("exact", "faiss"):
         out = root / f"search-{search}"
+        options = ScoreOptions(mix=0.0, search=search, faiss_lists=8, faiss_probe=8)
         cfg = ScoreConfig(
-            out=str(out), index=str(root / "index"), query_text=(query,), mix=0.0, search=search,
-            faiss_lists=8, faiss_probe=8,
-        )  # fmt: skip
+            out=str(out), index=str(root / "index"), queries=QueryConfig(query_text=(query,)), options=options
+        )
         run_score(cfg)
         found[search] = json.loads((out / "top.jsonl").read_text())
     assert [i for i, _ in found["faiss"]["proponents"]] == [i for i, _ in found["exact"]["proponents"]]
@@ -188,7 +196,7 @@ def test_fp16_index_screens_with_its_row_norms(tmp_path, monkeypatch):
         runtime=RuntimeConfig(precision="fp32"),
         store_dtype="float16",
     )
-    run_build(cfg)
+    build_index(cfg)
     index = open_index(tmp_path / "index")
     stored = np.asarray(index.gradients, dtype=np.float32)
     assert index.row_norms is not None
@@ -200,8 +208,10 @@ def test_fp16_index_screens_with_its_row_norms(tmp_path, monkeypatch):
     for source in (index, dataclasses.replace(index, row_norms=None)):
         for mode in ("inner", "cosine"):
             full = np.zeros((3, len(index)), np.float32)
-            want, _ = score_index(index, queries, mode, top_k=4, scores_out=full)  # the exact path
-            got, _ = score_index(source, queries, mode, top_k=4)
+            want, _ = score_index(
+                index, queries, ScoreOptions(mode=mode, top_k=4), scores_out=full
+            )  # the exact path
+            got, _ = score_index(source, queries, ScoreOptions(mode=mode, top_k=4))
             np.testing.assert_array_equal(got.top_rows.numpy(), want.top_rows.numpy())
             np.testing.assert_array_equal(got.bottom_rows.numpy(), want.bottom_rows.numpy())
             np.testing.assert_allclose(got.top_values.numpy(), want.top_values.numpy(), rtol=1e-6)

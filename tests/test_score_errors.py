@@ -7,12 +7,13 @@ import shutil
 
 import pytest
 
-from assay.attribution.build import BuildConfig, run_build, setup_from_index
+from assay.attribution.build import BuildConfig, build_index, setup_from_index
 from assay.attribution.index import open_index
 from assay.attribution.projection import Projector
-from assay.attribution.score import ScoreConfig, check_compatible, run_score
+from assay.attribution.score import check_compatible
 from assay.cli import main
-from assay.core.config import DataConfig, ModelConfig, RuntimeConfig
+from assay.commands.score import ScoreConfig, run_score
+from assay.core.config import DataConfig, ModelConfig, QueryConfig, RuntimeConfig
 from assay.core.errors import AssayError
 from tests.conftest import make_llama, make_tokenizer
 
@@ -33,18 +34,13 @@ def built(tmp_path_factory, tiny_model_dir):
         runtime=RuntimeConfig(precision="fp32"),
         preconditioner="trackstar",
     )
-    run_build(cfg)
+    build_index(cfg)
     return root, model_dir, data
 
 
-def _score_cfg(root, data, **kw) -> ScoreConfig:
-    args = {
-        "out": str(root / "out"),
-        "index": str(root / "index"),
-        "query_dataset": str(data),
-        "overwrite": True,
-    }
-    return ScoreConfig(**{"query_split": "train", **args, **kw})
+def _score_cfg(root, data, **query) -> ScoreConfig:
+    queries = QueryConfig(**{"query_dataset": str(data), "query_split": "train", **query})
+    return ScoreConfig(out=str(root / "out"), index=str(root / "index"), queries=queries, overwrite=True)
 
 
 def test_scores_with_the_index_settings(built):
@@ -75,7 +71,7 @@ def test_empty_queries_are_refused(built, capsys):
     with pytest.raises(AssayError, match="--query_dataset"):
         ScoreConfig(out=str(root / "o"), index=str(root / "index"))
     with pytest.raises(AssayError, match="empty"):
-        ScoreConfig(out=str(root / "o"), index=str(root / "index"), query_text=("  ",))
+        QueryConfig(query_text=("  ",))
     capsys.readouterr()
     code = main(["score", str(root / "o"), "--index", str(root / "index"), "--query_text", ""])
     err = capsys.readouterr().err.strip().splitlines()
@@ -100,4 +96,5 @@ def test_changed_model_is_refused(built, tiny_tokenizer, capsys):
 
 def test_missing_or_unfinished_index(tmp_path):
     with pytest.raises(AssayError, match="no index"):
-        run_score(ScoreConfig(out=str(tmp_path / "o"), index=str(tmp_path / "nope"), query_text=("ABC",)))
+        q = QueryConfig(query_text=("ABC",))
+        run_score(ScoreConfig(out=str(tmp_path / "o"), index=str(tmp_path / "nope"), queries=q))

@@ -7,11 +7,14 @@ tunes >= 0.99 and top-10 overlap >= 0.9 (docs/BENCHMARKS.md reports the measured
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
-from assay.attribution.build import BuildConfig, run_build
-from assay.attribution.score import ScoreConfig, run_score
+from assay.attribution.build import BuildConfig, build_index
+from assay.attribution.score import ScoreOptions
+from assay.commands.score import DEMO_QUERIES, ScoreConfig, run_score
 from assay.core.config import DataConfig, ModelConfig, RuntimeConfig
 
 MODEL = "assay-tiny"
@@ -31,7 +34,7 @@ def compare(tmp, precisions=("fp32", "bf16"), tunes=100, queries=5, mode="tracks
     scores = {}
     for precision in precisions:
         index = tmp / f"index-{precision}"
-        run_build(
+        build_index(
             BuildConfig(
                 out=str(index),
                 model=ModelConfig(model=MODEL),
@@ -42,9 +45,8 @@ def compare(tmp, precisions=("fp32", "bf16"), tunes=100, queries=5, mode="tracks
         )
         out = tmp / f"score-{precision}"
         cfg = ScoreConfig(
-            out=str(out), index=str(index), query_dataset="abc-tunes", query_split="eval",
-            query_filter_column="collection", query_filter_value="oneill", query_max_samples=queries,
-            mode=mode, save_scores=True,
+            out=str(out), index=str(index), queries=replace(DEMO_QUERIES, query_max_samples=queries),
+            options=ScoreOptions(mode=mode), save_scores=True,
         )  # fmt: skip
         run_score(cfg)
         scores[precision] = np.load(out / "scores.npy")

@@ -32,7 +32,7 @@ from assay.attribution.normalizers import (
 from assay.attribution.projection import Projector
 from assay.core import fsdp
 from assay.core.config import DataConfig, ModelConfig, RuntimeConfig
-from assay.core.console import note, say
+from assay.core.console import note
 from assay.core.distributed import Distributed
 from assay.core.errors import AssayError
 from assay.core.precision import STATS_DTYPE, PrecisionPolicy, full_precision
@@ -169,8 +169,8 @@ def setup_from_index(index: ix.GradientIndex, device: str = "auto") -> GradientS
     return GradientSetup(model, tokenizer, policy, modules, projector, normalizer, tokenizer.pad_token_id)
 
 
-# --- the command --------------------------------------------------------------------------------
-def run_build(cfg: BuildConfig) -> dict[str, Any]:
+def build_index(cfg: BuildConfig) -> dict[str, Any]:
+    """Build (or resume) the index in cfg.out; returns its metadata and throughput."""
     dist = Distributed.current()
     if cfg.fsdp:
         fsdp.require_processes(dist)  # before OUT.part exists
@@ -200,11 +200,6 @@ def run_build(cfg: BuildConfig) -> dict[str, Any]:
         summary = write_rows(setup, examples, run.path, cfg)
         if cfg.preconditioner == "trackstar":
             save_preconditioner_stats(run.path, meta, cfg.stats_samples, cfg.runtime.seed)
-    say(
-        f"index {cfg.out}: {len(examples)} examples × {col.dim} dims ({len(col.slots)} modules, "
-        f"p={cfg.projection_dim}, {policy.name}, stored {cfg.store_dtype}); "
-        f"{summary['tokens_per_s']:,.0f} tokens/s"
-    )
     return {**meta, **summary}
 
 

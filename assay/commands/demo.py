@@ -18,9 +18,15 @@ from typing import Any
 
 import tyro
 
+from assay.attribution.build import BuildConfig, build_index
+from assay.commands.eval import run as run_eval
+from assay.commands.score import latent_demo, score_demo
 from assay.core.config import DataConfig, ModelConfig, RuntimeConfig
 from assay.core.console import note, say
 from assay.core.runs import DONE_FILE, read_json, run_folder, write_json
+from assay.report.command import build_report
+from assay.sae.train import demo_sae
+from assay.training.evaluate import EvalConfig
 
 
 @dataclass
@@ -58,31 +64,25 @@ def _stage(folder: Path, title: str, work: Callable[[str], Any]) -> float:
 
 
 def _losses(cfg: DemoConfig, root: Path) -> dict[str, float]:
-    from assay.training.evaluate import EvalConfig
-
     losses = {}
     for dataset in ("shakespeare", "abc-tunes"):
         folder = root / f"loss-{dataset}"
-        evaluate = EvalConfig(
+        stage = EvalConfig(
             out=str(folder),
             model=ModelConfig(model=cfg.model),
             data=DataConfig(dataset=dataset, split="eval", max_samples=cfg.eval_samples),
             runtime=RuntimeConfig(precision=cfg.precision),  # type: ignore[arg-type]
         )
-        _stage(folder, f"loss of {cfg.model} on held-out {dataset}", partial(_run_eval, evaluate))
+        _stage(folder, f"loss of {cfg.model} on held-out {dataset}", partial(_evaluate, stage))
         losses[dataset] = read_json(folder / "summary.json")["mean_loss"]
     return losses
 
 
-def _run_eval(cfg: Any, _out: str) -> Any:
-    from assay.training.evaluate import run_eval
-
-    return run_eval(cfg)
+def _evaluate(stage: EvalConfig, _out: str) -> None:
+    run_eval(stage)
 
 
 def _index(cfg: DemoConfig, folder: Path) -> float:
-    from assay.attribution.build import BuildConfig, run_build
-
     build = BuildConfig(
         out=str(folder),
         model=ModelConfig(model=cfg.model),
@@ -93,15 +93,11 @@ def _index(cfg: DemoConfig, folder: Path) -> float:
         preconditioner="trackstar",
     )
     title = f"gradient index of {cfg.train_tunes} ABC training tunes"
-    return _stage(folder, title, lambda _: run_build(build))
+    return _stage(folder, title, lambda _: build_index(build))
 
 
-def run_demo(cfg: DemoConfig) -> None:
-    from assay.attribution.score import score_demo
-    from assay.bridge.latent import latent_demo
-    from assay.report.command import build_report
-    from assay.sae.train import demo_sae
-
+def run(cfg: DemoConfig) -> None:
+    """Every stage in turn (each resumable), the report, then the summary on stdout."""
     timings: dict[str, float] = {}
     with run_folder(cfg.out, "demo", cfg, cfg.overwrite) as run:
         root = run.path
@@ -136,3 +132,6 @@ def _print_summary(cfg: DemoConfig, losses: dict[str, float], report: Path) -> N
     for name, value in losses.items():
         say(f"  {name:<12} {value:.3f}")
     say(f"\nreport: {Path(cfg.out) / report.name}  (open it in a browser)")
+
+
+Config = DemoConfig

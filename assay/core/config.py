@@ -96,3 +96,62 @@ class RuntimeConfig:
     attention: Literal["auto", "sdpa", "eager"] = "auto"
     """Attention kernel; `eager` avoids fused kernels whose result can depend on batch
     composition under bf16."""
+
+
+@dataclass
+class QueryConfig:
+    """Which texts are the queries: `assay score`, `filter`, `coreset` and `validate` read them alike.
+
+    Queries are cut to the length the training examples they are compared with were cut to."""
+
+    query_dataset: str | None = None
+    """Dataset of queries (same forms as --dataset: a file, a folder, `abc-tunes`, ...)."""
+    query_split: str = "eval"
+    """Split of the query dataset."""
+    query_text_column: str = "text"
+    """Column holding the query text."""
+    query_prompt_column: str | None = None
+    """Column holding a prompt; then only the completion's tokens carry the query's loss."""
+    query_completion_column: str | None = None
+    """Column holding the completion (with --query_prompt_column)."""
+    query_max_samples: int | None = None
+    """Use only the first N queries (after filtering)."""
+    query_filter_column: str | None = None
+    """Keep only query rows whose column equals --query_filter_value (e.g. collection)."""
+    query_filter_value: str | None = None
+    """Value --query_filter_column must equal (e.g. oneill)."""
+    query_text: tuple[str, ...] = ()
+    """Ad-hoc query texts (`--query_text TEXT [TEXT ...]`), used along with --query_dataset."""
+
+    def __post_init__(self) -> None:
+        from assay.core.errors import AssayError
+
+        if any(not text.strip() for text in self.query_text):
+            raise AssayError("a --query_text is empty; give the text to attribute")
+        if (self.query_filter_column is None) != (self.query_filter_value is None):
+            raise AssayError("--query_filter_column and --query_filter_value go together")
+        if (self.query_prompt_column is None) != (self.query_completion_column is None):
+            raise AssayError("--query_prompt_column and --query_completion_column go together")
+        if self.query_max_samples is not None and self.query_max_samples <= 0:
+            raise AssayError(f"--query_max_samples must be positive, got {self.query_max_samples}")
+
+    @property
+    def given(self) -> bool:
+        """Whether any query is named (a dataset or ad-hoc texts)."""
+        return self.query_dataset is not None or bool(self.query_text)
+
+    def data_config(self, max_length: int) -> DataConfig | None:
+        """The query dataset as a DataConfig cut to `max_length` tokens (None without one)."""
+        if self.query_dataset is None:
+            return None
+        return DataConfig(
+            dataset=self.query_dataset,
+            split=self.query_split,
+            text_column=self.query_text_column,
+            prompt_column=self.query_prompt_column,
+            completion_column=self.query_completion_column,
+            max_samples=self.query_max_samples,
+            max_length=max_length,
+            filter_column=self.query_filter_column,
+            filter_value=self.query_filter_value,
+        )

@@ -8,15 +8,17 @@ from typing import Any
 
 
 class Progress:
-    """A tqdm bar over examples that also reports tokens/s. Silent when `enabled` is false."""
+    """A tqdm bar over examples (or `unit`s) that also reports tokens/s when told tokens.
+    Silent when `enabled` is false."""
 
-    def __init__(self, total: int, desc: str, enabled: bool = True, initial: int = 0):
+    def __init__(self, total: int, desc: str, enabled: bool = True, initial: int = 0, unit: str = "ex"):
         from tqdm.auto import tqdm
 
         self.bar: Any = tqdm(
             total=total,
             desc=desc,
-            unit="ex",
+            unit=unit,
+            unit_scale=unit != "ex",
             initial=initial,
             file=sys.stderr,
             disable=not enabled,
@@ -31,6 +33,10 @@ class Progress:
         elapsed = max(time.perf_counter() - self.start, 1e-9)
         self.bar.set_postfix(tok_s=f"{self.tokens / elapsed:,.0f}", **postfix, refresh=False)
         self.bar.update(examples)
+
+    def set_done(self, done: int) -> None:
+        """Move the bar to `done` units (for loops that report a running total)."""
+        self.bar.update(done - self.bar.n)
 
     def close(self) -> None:
         self.bar.close()

@@ -43,6 +43,15 @@ def write_json(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
+def write_jsonl(path: Path, records: list[dict[str, Any]]) -> None:
+    """Write one JSON object per line, atomically (standard JSON: NaN and inf are refused)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        for record in records:
+            f.write(json.dumps(record, allow_nan=False) + "\n")
+    os.replace(tmp, path)
+
+
 def read_json(path: Path) -> Any:
     """Read a JSON file, with a clear error when it is missing or broken."""
     try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -71,3 +72,25 @@ class StopForward(Exception):
 def output_tensor(output: Any) -> torch.Tensor:
     """The hidden-state tensor of a module output (decoder layers return tuples)."""
     return output[0] if isinstance(output, tuple) else output
+
+
+def capture_output(
+    model: nn.Module, hookpoint: str, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """[B, T, d] output of module `hookpoint` on input_ids [B, T]; the forward stops right after it.
+
+    The one way assay reads a layer's output (SAE activations, latent queries, the feature
+    browser). The autograd graph is kept unless the caller runs it under torch.no_grad().
+    """
+    module = get_module(model, hookpoint)
+    got: list[torch.Tensor] = []
+
+    def grab(_name: str, _mod: nn.Module, _inp: Any, out: Any) -> None:
+        got.append(output_tensor(out))
+        raise StopForward
+
+    with forward_hooks({hookpoint: module}, grab), contextlib.suppress(StopForward):
+        model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    if not got:
+        raise AssayError(f"module {hookpoint!r} did not run in the model's forward")
+    return got[0]

@@ -15,7 +15,7 @@ from typing import Annotated
 
 import tyro
 
-from assay.core.console import note, say
+from assay.core.console import note
 from assay.core.errors import AssayError
 from assay.report import html as h
 from assay.report.links import Links, scan
@@ -178,13 +178,3 @@ def build_report(
     tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, out_html)
     return out_html
-
-
-def run_report(cfg: ReportConfig) -> Path:
-    out = build_report(
-        [Path(r) for r in cfg.runs], Path(cfg.out), cfg.title,
-        features=cfg.features, feature_examples=cfg.feature_examples, device=cfg.device,
-    )  # fmt: skip
-    size = out.stat().st_size
-    say(f"report: {out} ({size / 1024:,.0f} KB); open it in a browser (no server needed)")
-    return out

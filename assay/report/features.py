@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from assay.bridge.latent import SaeWeights, hook_activations
+from assay.bridge.latent import HookedSae
 
 TOP_CONTEXTS = 8
 TOP_TOKENS = 8
@@ -74,10 +74,9 @@ def _pad(seqs: list[np.ndarray], device: torch.device) -> tuple[torch.Tensor, to
 
 
 @torch.no_grad()
-def _latents(model: Any, sae: SaeWeights, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def _latents(model: Any, sae: HookedSae, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """[B, T, d_sae] fp32 latent activations (0 at padding); the forward stops at the hookpoint."""
-    h = hook_activations(model, sae.hookpoint, {"input_ids": ids, "attention_mask": mask})
-    return sae.encode(h.float()) * mask[:, :, None].float()
+    return sae.latents(model, {"input_ids": ids, "attention_mask": mask})
 
 
 def _token_text(tokenizer: Any, cache: dict[int, str], tok: int) -> str:
@@ -89,15 +88,15 @@ def _token_text(tokenizer: Any, cache: dict[int, str], tok: int) -> str:
     return cache[tok]
 
 
-def _logit_effects(model: Any, sae: SaeWeights, latents: list[int], tokenizer: Any, cache: dict) -> dict:
+def _logit_effects(model: Any, sae: HookedSae, latents: list[int], tokenizer: Any, cache: dict) -> dict:
     """{latent: (promoted, suppressed)} top output tokens of W_dec[latent] @ W_Uᵀ."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is None or not latents:
         return {}
-    w_u = head.weight.detach().float().to(sae.W_dec.device)  # [V, d_in]
-    if w_u.shape[1] != sae.W_dec.shape[1]:
+    w_u = head.weight.detach().float().to(sae.sae.W_dec.device)  # [V, d_in]
+    if w_u.shape[1] != sae.sae.W_dec.shape[1]:
         return {}
-    effects = sae.W_dec[latents] @ w_u.T  # [n, V]
+    effects = sae.sae.W_dec[latents] @ w_u.T  # [n, V]
     k = min(TOP_TOKENS, effects.shape[1])
     out = {}
     for row, latent in enumerate(latents):
@@ -130,14 +129,14 @@ def _context(
 
 
 def browse(
-    model: Any, tokenizer: Any, sae: SaeWeights, seqs: list[np.ndarray], ids: list[int], num_latents: int,
+    model: Any, tokenizer: Any, sae: HookedSae, seqs: list[np.ndarray], ids: list[int], num_latents: int,
     device: torch.device, batch: int = 8, first: tuple[int, ...] = (),
 ) -> FeatureBrowser:  # fmt: skip
     """Read `seqs` (token arrays) once (twice when few low-index latents live) and assemble the
     browser for `first` (e.g. latents attributed elsewhere in the report), then the first
     `num_latents` live latents by index."""
     sae.to(device)
-    d = sae.d_sae
+    d = sae.sae.d_sae
     head = min(d, 4 * num_latents)  # per-token activations kept in pass 1: latents [0, head)
     fired = torch.zeros(d, dtype=torch.float64)
     peaks = np.zeros((len(seqs), d), dtype=np.float32)  # [N, d_sae] each example's max per latent
@@ -164,7 +163,7 @@ def browse(
     return FeatureBrowser(features, density, n_tokens, len(seqs), float(fired.sum()) / max(n_tokens, 1))
 
 
-def _second_pass(model: Any, sae: SaeWeights, seqs: list[np.ndarray], groups: list[list[int]],
+def _second_pass(model: Any, sae: HookedSae, seqs: list[np.ndarray], groups: list[list[int]],
                  chosen: list[int], device: torch.device) -> dict[int, np.ndarray]:  # fmt: skip
     """{position: [T_i, len(chosen)]} per-token activations of the chosen latents only."""
     per_example: dict[int, np.ndarray] = {}
@@ -179,7 +178,7 @@ def _second_pass(model: Any, sae: SaeWeights, seqs: list[np.ndarray], groups: li
     return per_example
 
 
-def _features(model: Any, tokenizer: Any, sae: SaeWeights, seqs: list[np.ndarray], ids: list[int],
+def _features(model: Any, tokenizer: Any, sae: HookedSae, seqs: list[np.ndarray], ids: list[int],
               chosen: list[int], density: np.ndarray, peaks: np.ndarray,
               per_example: dict[int, np.ndarray]) -> list[Feature]:  # fmt: skip
     """One Feature per chosen latent: top contexts, nonzero activations, logit effects."""

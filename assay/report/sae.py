@@ -177,7 +177,7 @@ def compute_browser(
     run: Run, num_latents: int, num_examples: int, device: str, first: tuple[int, ...] = ()
 ) -> FeatureBrowser:
     """Load model, tokenizer, SAE and held-out texts from the run's config; run features.browse."""
-    from assay.bridge.latent import load_sae
+    from assay.bridge.latent import load_hooked_sae
     from assay.core.config import DataConfig, ModelConfig, RuntimeConfig
     from assay.core.runs import config_from_dict
     from assay.lm.data import load_examples
@@ -185,7 +185,7 @@ def compute_browser(
     from assay.report.features import browse
 
     cfg = run.config
-    sae = load_sae(run.path, hookpoint=cfg.get("hookpoint"))
+    sae = load_hooked_sae(run.path, hookpoint=cfg.get("hookpoint"))
     model_cfg = config_from_dict(ModelConfig, cfg.get("model") or {})
     data = config_from_dict(DataConfig, cfg.get("data") or {})
     data = dataclasses.replace(data, split=cfg.get("eval_split", "eval"), max_samples=num_examples)

@@ -189,7 +189,7 @@ def latent_in_queries(run: Run, index_path: Path, texts: dict[str, str]) -> dict
     import torch
 
     from assay.attribution.index import open_index
-    from assay.bridge.latent import load_sae
+    from assay.bridge.latent import load_hooked_sae
     from assay.core.config import DataConfig, ModelConfig
     from assay.core.precision import PrecisionPolicy
     from assay.core.runs import config_from_dict
@@ -204,7 +204,7 @@ def latent_in_queries(run: Run, index_path: Path, texts: dict[str, str]) -> dict
     model_cfg = config_from_dict(ModelConfig, meta["config"]["model"])
     tokenizer = load_tokenizer(model_cfg)
     model = load_model(model_cfg, PrecisionPolicy.resolve("fp32", "cpu")).eval()
-    sae = load_sae(run.config["query_sae"]).to("cpu")
+    sae = load_hooked_sae(run.config["query_sae"]).to("cpu")
     ids = list(texts)
     table = Table.from_columns({"text": [texts[i] for i in ids], ID_COLUMN: list(range(len(ids)))})
     examples = tokenize(

@@ -24,11 +24,16 @@ from typing import Any, Literal
 
 import tyro
 
-from assay.core.config import DataConfig, ModelConfig, RuntimeConfig
-from assay.core.console import note, say
+from assay.attribution.build import BuildConfig, build_index
+from assay.core.config import DataConfig, ModelConfig, QueryConfig, RuntimeConfig
+from assay.core.console import note
 from assay.core.distributed import Distributed
 from assay.core.errors import AssayError
 from assay.core.runs import CONFIG_FILE, DONE_FILE, RunFolder, read_json, write_json
+from assay.selection.filter import FilterConfig, select
+from assay.selection.presets import prepare_preset
+from assay.selection.tables import write_report
+from assay.training.finetune import FinetuneConfig, finetune
 
 STAGES_FILE = "stages.json"
 
@@ -146,8 +151,6 @@ def resolve_layout(cfg: CoresetConfig, root: Path) -> Layout:
     }
     if cfg.preset == "none":
         return Layout(root, cfg.data, cfg.query, cfg.query_dataset, cfg.query_split, eval_data)
-    from assay.selection.presets import prepare_preset
-
     files = prepare_preset(cfg.preset, root / "data", cfg.pool_size, cfg.query_size, cfg.eval_size)
     data = replace(cfg.data, dataset=files["pool"], split="train", filter_column=None, filter_value=None)
     eval_data = {"eval_dataset": files["eval"], "eval_split": "train", "eval_filter_column": None}
@@ -180,8 +183,6 @@ class Stages:
 
 
 def finetune_config(cfg: CoresetConfig, lay: Layout, out: Path, seed: int, selection: Path | None) -> Any:
-    from assay.training.finetune import FinetuneConfig
-
     return FinetuneConfig(
         out=str(out),
         model=cfg.model,
@@ -202,11 +203,9 @@ def finetune_config(cfg: CoresetConfig, lay: Layout, out: Path, seed: int, selec
     )
 
 
-def build_index(cfg: CoresetConfig, lay: Layout, precision: str) -> None:
-    from assay.attribution.build import BuildConfig, run_build
-
+def index_stage(cfg: CoresetConfig, lay: Layout, precision: str) -> None:
     warm = lay.full(cfg.seeds[0]) / "model"
-    run_build(
+    build_index(
         BuildConfig(
             out=str(lay.index(precision)),
             model=ModelConfig(model=str(warm), trust_remote_code=cfg.model.trust_remote_code),
@@ -220,20 +219,17 @@ def build_index(cfg: CoresetConfig, lay: Layout, precision: str) -> None:
     )
 
 
-def select(cfg: CoresetConfig, lay: Layout, row: str, seed: int) -> None:
-    from assay.selection.filter import FilterConfig, run_filter
-
+def select_stage(cfg: CoresetConfig, lay: Layout, row: str, seed: int) -> None:
     strategy, _, precision = row.partition("_")
     index = None if strategy == "random" else lay.index(precision or "fp32")
-    run_filter(
+    select(
         FilterConfig(
             out=str(lay.selection(row, seed)),
             data=lay.data,
             runtime=replace(cfg.runtime, seed=seed),
             strategy=strategy,  # type: ignore[arg-type]
             query=lay.query,  # type: ignore[arg-type]
-            query_dataset=lay.query_dataset,
-            query_split=lay.query_split,
+            queries=QueryConfig(query_dataset=lay.query_dataset, query_split=lay.query_split),
             fraction=cfg.fraction,
             index=str(index) if index else None,
             token_batch_size=cfg.token_batch_size,
@@ -250,27 +246,25 @@ def rows_of(cfg: CoresetConfig) -> list[str]:
 
 
 def run_stages(cfg: CoresetConfig, lay: Layout, stages: Stages) -> None:
-    from assay.training.finetune import run_finetune
-
     first = cfg.seeds[0]
     stages.run(
         f"full/seed{first}",
         lay.full(first),
-        run_finetune,
+        finetune,
         finetune_config(cfg, lay, lay.full(first), first, None),
     )
     needs_index = {p for r in rows_of(cfg) if r != "random" for p in [r.partition("_")[2] or "fp32"]}
     for precision in sorted(needs_index):
-        stages.run(f"index/{precision}", lay.index(precision), build_index, cfg, lay, precision)
+        stages.run(f"index/{precision}", lay.index(precision), index_stage, cfg, lay, precision)
     for seed in cfg.seeds:
         full = lay.full(seed)
-        stages.run(f"full/seed{seed}", full, run_finetune, finetune_config(cfg, lay, full, seed, None))
+        stages.run(f"full/seed{seed}", full, finetune, finetune_config(cfg, lay, full, seed, None))
         for row in rows_of(cfg):
             chosen = lay.selection(row, seed)
-            stages.run(f"select/{chosen.name}", chosen, select, cfg, lay, row, seed)
+            stages.run(f"select/{chosen.name}", chosen, select_stage, cfg, lay, row, seed)
             out = lay.retrain(row, seed)
             stages.run(
-                f"retrain/{row}/seed{seed}", out, run_finetune, finetune_config(cfg, lay, out, seed, chosen)
+                f"retrain/{row}/seed{seed}", out, finetune, finetune_config(cfg, lay, out, seed, chosen)
             )
 
 
@@ -302,14 +296,12 @@ def open_experiment(cfg: CoresetConfig) -> Path:
 
 def finish(cfg: CoresetConfig, lay: Layout, root: Path) -> dict[str, Any]:
     """The report (results.json, results.md, curves.png), then the experiment's run.json."""
-    from assay.selection.tables import write_report
-
     results = write_report(cfg, lay, rows_of(cfg), root)
     write_json(root / DONE_FILE, {"finished": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
     return results
 
 
-def run_coreset(cfg: CoresetConfig) -> dict[str, Any]:
+def run_experiment(cfg: CoresetConfig) -> dict[str, Any]:
     """Every stage (resumably), then the tables, the overlap and the plot.
 
     Under torchrun rank 0 opens the folder, writes the preset's data and the report; every
@@ -319,7 +311,4 @@ def run_coreset(cfg: CoresetConfig) -> dict[str, Any]:
     root = dist.main_only(open_experiment, cfg)
     lay = dist.main_only(resolve_layout, cfg, root)
     run_stages(cfg, lay, Stages(root))
-    results = dist.main_only(finish, cfg, lay, root)
-    say((root / "results.md").read_text())
-    say(f"results in {cfg.out}/ (results.md, results.json, curves.png)")
-    return results
+    return dist.main_only(finish, cfg, lay, root)

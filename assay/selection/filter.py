@@ -27,12 +27,17 @@ import numpy as np
 import torch
 import tyro
 
+from assay.attribution.build import BuildConfig, build_index, setup_from_index
 from assay.attribution.index import GradientIndex, open_index
-from assay.core.config import DataConfig, ModelConfig, RuntimeConfig
-from assay.core.console import note, say
+from assay.attribution.score import ScoreOptions, check_compatible, query_gradients, score_index
+from assay.core.config import DataConfig, ModelConfig, QueryConfig, RuntimeConfig
+from assay.core.console import note
 from assay.core.distributed import Distributed
 from assay.core.errors import AssayError
 from assay.core.runs import run_folder, write_json
+from assay.lm.data import ID_COLUMN, load_table
+from assay.lm.queries import load_queries
+from assay.training.evaluate import mean_token_loss
 
 Strategy = Literal["random", "loss", "gradcos", "trackstar"]
 STRATEGIES: tuple[str, ...] = ("random", "loss", "gradcos", "trackstar")
@@ -52,16 +57,7 @@ class FilterConfig:
     """random | loss (mean token loss) | gradcos (raw gradient cosine) | trackstar."""
     query: Literal["self", "eval"] = "self"
     """self: the pool is its own query (coreset); eval: a query dataset (targeted selection)."""
-    query_dataset: str | None = None
-    """Query set for --query eval (same forms as --dataset)."""
-    query_split: str = "eval"
-    """Split of the query dataset."""
-    query_filter_column: str | None = None
-    """Keep only query rows whose column equals --query_filter_value (e.g. collection)."""
-    query_filter_value: str | None = None
-    """The value --query_filter_column must equal (e.g. oneill)."""
-    query_max_samples: int | None = None
-    """Use only the first N queries."""
+    queries: tyro.conf.OmitArgPrefixes[QueryConfig] = field(default_factory=QueryConfig)
     num_examples: int | None = None
     """How many examples to keep."""
     fraction: float | None = None
@@ -86,10 +82,8 @@ class FilterConfig:
             raise AssayError(f"--num_examples must be >= 1, got {self.num_examples}")
         if self.fraction is not None and not 0.0 < self.fraction <= 1.0:
             raise AssayError(f"--fraction must be in (0, 1], got {self.fraction}")
-        if self.query == "eval" and self.query_dataset is None and self.strategy in GRADIENT_MODES:
+        if self.query == "eval" and not self.queries.given and self.strategy in GRADIENT_MODES:
             raise AssayError("--query eval needs the query set: --query_dataset DATASET (and --query_split)")
-        if (self.query_filter_column is None) != (self.query_filter_value is None):
-            raise AssayError("--query_filter_column and --query_filter_value go together")
 
 
 def selection_size(cfg: FilterConfig, pool: int) -> int:
@@ -118,26 +112,20 @@ def mean_token_losses(index: GradientIndex) -> np.ndarray:
 
 def model_token_losses(cfg: FilterConfig) -> tuple[np.ndarray, np.ndarray]:
     """(ids, [N] mean token loss) computed with the model, when no index is given."""
-    from assay.training.evaluate import mean_token_loss
-
     result = mean_token_loss(cfg.model, cfg.data, cfg.runtime, cfg.token_batch_size)
     return result["ids"], result["losses"] / np.maximum(result["tokens"], 1)
 
 
 def pool_ids(cfg: FilterConfig) -> np.ndarray:
-    from assay.lm.data import ID_COLUMN, load_table
-
     return np.asarray(load_table(cfg.data)[ID_COLUMN], dtype=np.int64)
 
 
 def build_index_here(cfg: FilterConfig, folder: Path) -> GradientIndex:
     """Build (or resume) an index of the pool with TrackStar statistics in OUT/index."""
-    from assay.attribution.build import BuildConfig, run_build
-
     target = folder / "index"
     if not (target / "run.json").exists():
         note(f"building a gradient index of the pool in {target}")
-        run_build(
+        build_index(
             BuildConfig(
                 out=str(target),
                 model=cfg.model,
@@ -151,39 +139,23 @@ def build_index_here(cfg: FilterConfig, folder: Path) -> GradientIndex:
     return open_index(target)
 
 
-def query_gradients(cfg: FilterConfig, index: GradientIndex) -> torch.Tensor:
+def query_gradients_of(cfg: FilterConfig, index: GradientIndex) -> torch.Tensor:
     """[Q, D] fp32 query gradients: the pool's own rows (self) or the query set's, computed like the index."""
     if cfg.query == "self":
         return torch.from_numpy(np.array(index.gradients, dtype=np.float32))  # a copy, not the memmap
-    from assay.attribution.build import collect, setup_from_index
-    from assay.attribution.score import ScoreConfig, check_compatible, load_queries
-
-    score_cfg = ScoreConfig(
-        out="",
-        index=str(index.path),
-        query_dataset=cfg.query_dataset,
-        query_split=cfg.query_split,
-        query_text_column=cfg.data.text_column,
-        query_prompt_column=cfg.data.prompt_column,
-        query_completion_column=cfg.data.completion_column,
-        query_max_samples=cfg.query_max_samples,
-        query_filter_column=cfg.query_filter_column,
-        query_filter_value=cfg.query_filter_value,
-    )
     setup = setup_from_index(index, cfg.runtime.device)
     check_compatible(index, setup)
-    queries = load_queries(score_cfg, index, setup.tokenizer)
+    queries = load_queries(cfg.queries, int(index.meta["data"]["max_length"]), setup.tokenizer)
     note(f"query set: {len(queries.ids)} examples")
-    return torch.from_numpy(collect(setup, queries.examples, cfg.token_batch_size))
+    return query_gradients(setup, queries.examples, cfg.token_batch_size)
 
 
 def gradient_scores(cfg: FilterConfig, index: GradientIndex) -> np.ndarray:
     """[N] mean score of each index row against the queries (gradcos or trackstar)."""
-    from assay.attribution.score import score_index
-
-    queries = query_gradients(cfg, index)
+    queries = query_gradients_of(cfg, index)
     out = np.zeros((1, len(index)), dtype=np.float32)
-    score_index(index, queries, GRADIENT_MODES[cfg.strategy], "mean", top_k=1, scores_out=out)
+    options = ScoreOptions(mode=GRADIENT_MODES[cfg.strategy], aggregate="mean", top_k=1)  # type: ignore[arg-type]
+    score_index(index, queries, options, scores_out=out)
     return out[0].astype(np.float64)
 
 
@@ -228,7 +200,7 @@ def write_selection(folder: Path, ids: np.ndarray, scores: np.ndarray, chosen: n
     np.save(folder / "scores.npy", scores.astype(np.float64))
 
 
-def run_filter(cfg: FilterConfig) -> dict[str, Any]:
+def select(cfg: FilterConfig) -> dict[str, Any]:
     """Score the pool, keep the top (or bottom) k, write them with their scores (rank 0 writes)."""
     with run_folder(cfg.out, "filter", cfg, cfg.overwrite) as run:
         ids, scores, details = compute_scores(cfg, run.path)
@@ -249,8 +221,6 @@ def run_filter(cfg: FilterConfig) -> dict[str, Any]:
         }
         if Distributed.current().is_main:
             write_json(run.path / "summary.json", summary)
-    tail = "lowest" if cfg.lowest else "highest"
-    say(f"{cfg.out}: kept {k} of {len(ids)} examples ({cfg.strategy}, query {cfg.query}, {tail} scores)")
     return summary
 
 
@@ -265,6 +235,3 @@ def read_selection(folder: str | Path) -> np.ndarray:
 def overlap(a: np.ndarray, b: np.ndarray) -> float:
     """|A ∩ B| / |A| for two selections of the same size."""
     return len(np.intersect1d(a, b)) / max(len(a), 1)
-
-
-__all__ = ["FilterConfig", "run_filter", "read_selection", "overlap", "select_top"]

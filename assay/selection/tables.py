@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from assay.core.runs import read_json, write_json
+from assay.selection.filter import overlap, read_selection
 
 LABELS = {
     "full": "full data",
@@ -63,8 +64,6 @@ def collect_rows(cfg: Any, lay: Any, rows: list[str]) -> dict[str, dict[str, Any
 
 def selection_facts(cfg: Any, lay: Any, rows: list[str]) -> dict[str, Any]:
     """bf16 vs fp32 TrackStar overlap, and (with a collection column) the share of each collection."""
-    from assay.selection.filter import overlap, read_selection
-
     seed = cfg.seeds[0]
     chosen = {row: read_selection(lay.selection(row, seed)) for row in rows}
     facts: dict[str, Any] = {}

@@ -1,4 +1,4 @@
-"""`assay eval`: how well a model predicts a dataset, per example and per token."""
+"""How well a model predicts a dataset, per example and per token (`assay eval`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import numpy as np
 import tyro
 
 from assay.core.config import DataConfig, ModelConfig, RuntimeConfig
-from assay.core.console import say
 from assay.core.runs import run_folder, write_json
 from assay.lm.data import load_examples
 from assay.lm.losses import evaluate_losses
@@ -61,7 +60,8 @@ def mean_token_loss(
     }
 
 
-def run_eval(cfg: EvalConfig) -> dict[str, Any]:
+def evaluate(cfg: EvalConfig) -> dict[str, Any]:
+    """Write losses.jsonl (per example) and summary.json (mean nats/token, perplexity) to cfg.out."""
     with run_folder(cfg.out, "eval", cfg, cfg.overwrite) as run:
         result = mean_token_loss(cfg.model, cfg.data, cfg.runtime, cfg.token_batch_size)
         with open(run.path / "losses.jsonl", "w") as f:
@@ -70,10 +70,6 @@ def run_eval(cfg: EvalConfig) -> dict[str, Any]:
         summary = {k: result[k] for k in ("mean_loss", "examples", "total_tokens", "precision")}
         summary["perplexity"] = math.exp(summary["mean_loss"])
         write_json(run.path / "summary.json", summary)
-    say(
-        f"{cfg.data.dataset}:{cfg.data.split}: {summary['mean_loss']:.4f} nats/token "
-        f"over {summary['total_tokens']:,} tokens ({summary['examples']} examples)"
-    )
     return summary
 
 

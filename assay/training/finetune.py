@@ -25,7 +25,7 @@ import tyro
 
 from assay.core import fsdp
 from assay.core.config import DataConfig, ModelConfig, RuntimeConfig
-from assay.core.console import note, say
+from assay.core.console import note
 from assay.core.distributed import Distributed
 from assay.core.errors import AssayError
 from assay.core.precision import PrecisionPolicy, check_finite, full_precision
@@ -400,8 +400,8 @@ def save_outputs(trainer: Trainer, folder: Path, tokenizer: Any) -> None:
     write_plan(folder / ORDER_FILE, trainer.data.plan)
 
 
-def run_finetune(cfg: FinetuneConfig) -> dict[str, Any]:
-    """Train, evaluate, save; returns the summary (also in OUT/summary.json)."""
+def finetune(cfg: FinetuneConfig) -> dict[str, Any]:
+    """Train, evaluate, save into cfg.out (resumable); returns the summary (also in summary.json)."""
     wall = time.perf_counter()
     dist = Distributed.current()
     if cfg.fsdp:
@@ -437,8 +437,6 @@ def run_finetune(cfg: FinetuneConfig) -> dict[str, Any]:
         write_json(run.path / "summary.json", summary)
         shutil.rmtree(run.path / ckpt.CHECKPOINT_DIR, ignore_errors=True)
         result["log"].close()
-    shown = {k: v for k, v in losses.items() if v is not None}
-    say(f"{cfg.out}: " + ", ".join(f"{k} {v:.4f}" for k, v in shown.items()) + f" ({result['steps']} steps)")
     return summary
 
 

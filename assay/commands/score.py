@@ -1,0 +1,203 @@
+"""`assay score`: attribute queries to the training examples of a gradient index.
+
+OUT receives `top.jsonl` (proponents and opponents per query or aggregate), `queries.jsonl`,
+`summary.json` and, with --save_scores, every score: `scores.npy` [A, N] float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import tyro
+
+from assay.attribution.build import GradientSetup, setup_from_index
+from assay.attribution.collector import Objective
+from assay.attribution.index import GradientIndex, open_index
+from assay.attribution.score import (
+    ScoreOptions,
+    check_compatible,
+    query_gradients,
+    score_index,
+    top_records,
+    train_texts,
+)
+from assay.bridge.latent import latent_objective, load_hooked_sae, most_active_latent, silent_queries
+from assay.core.config import QueryConfig
+from assay.core.console import say
+from assay.core.distributed import Distributed
+from assay.core.errors import AssayError
+from assay.core.runs import run_folder, write_json, write_jsonl
+from assay.lm.lean import keep_compute_casts
+from assay.lm.queries import Queries, load_queries
+
+
+@dataclass
+class ScoreConfig:
+    """Attribute queries to the training examples of an index built by `assay build`."""
+
+    out: tyro.conf.Positional[str]
+    """Output folder (top.jsonl, queries.jsonl, summary.json, optional scores.npy)."""
+    index: str
+    """The gradient index folder (the OUT of `assay build`)."""
+    queries: tyro.conf.OmitArgPrefixes[QueryConfig] = field(default_factory=QueryConfig)
+    options: tyro.conf.OmitArgPrefixes[ScoreOptions] = field(default_factory=ScoreOptions)
+    save_scores: bool = False
+    """Also write every score: scores.npy [queries or 1, N] float32 (what `assay validate` reads)."""
+    token_batch_size: int = 2048
+    """Most tokens per batch when computing the query gradients."""
+    device: str = "auto"
+    """cpu, cuda, cuda:N or auto."""
+    show: int = 3
+    """Proponents shown per query on stdout (top.jsonl holds --top_k)."""
+    query_sae: str | None = None
+    """An SAE folder (SAELens format). With --latent, each query is that latent's activation summed
+    over the query's tokens instead of its loss: proponents are the training examples whose
+    training step raises the feature (see docs/report.md)."""
+    latent: int | None = None
+    """The SAE latent to attribute (with --query_sae)."""
+    overwrite: bool = False
+    """Replace a finished run in OUT."""
+
+    def __post_init__(self) -> None:
+        if not self.queries.given:
+            raise AssayError("give queries: --query_dataset DATASET and/or --query_text TEXT")
+        if self.token_batch_size < 1 or self.show < 0:
+            raise AssayError("--token_batch_size must be positive and --show >= 0")
+        if self.options.search == "faiss" and self.save_scores:
+            raise AssayError("--search faiss gives top-k only (no --save_scores)")
+        if (self.query_sae is None) != (self.latent is None):
+            raise AssayError("--query_sae and --latent go together")
+
+
+def objective_of(cfg: ScoreConfig, setup: GradientSetup) -> Objective | None:
+    """What each query's gradient is taken of: its loss (None), or an SAE latent's activation."""
+    if cfg.query_sae is None:
+        return None
+    hooked = load_hooked_sae(cfg.query_sae).to(setup.policy.device)
+    return latent_objective(hooked, int(cfg.latent or 0))
+
+
+def prepare_queries(cfg: ScoreConfig, index: GradientIndex) -> tuple[GradientSetup, Queries, torch.Tensor]:
+    """(setup, queries, [Q, D] fp32 gradients) computed exactly as the index's rows were."""
+    setup = setup_from_index(index, cfg.device)
+    check_compatible(index, setup)
+    keep_compute_casts(setup.model, setup.policy)  # from here on the model only collects gradients
+    queries = load_queries(cfg.queries, int(index.meta["data"]["max_length"]), setup.tokenizer)
+    grads = query_gradients(setup, queries.examples, cfg.token_batch_size, objective_of(cfg, setup))
+    zero = silent_queries(grads.numpy())
+    if len(zero):
+        first = queries.ids[int(zero[0])]
+        if cfg.query_sae is not None:
+            raise AssayError(
+                f"latent {cfg.latent} never fires on query {first!r} (all-zero gradient); choose queries "
+                "where it fires (`assay report` on the SAE run shows its top contexts)"
+            )
+        raise AssayError(f"query {first!r} has an all-zero gradient; it cannot be attributed")
+    return setup, queries, grads
+
+
+def run_score(cfg: ScoreConfig) -> dict[str, Any]:
+    """Compute the queries' gradients like the index's, score, write OUT, print the table."""
+    index = open_index(cfg.index)
+    setup, queries, grads = prepare_queries(cfg, index)  # user errors surface before OUT.part exists
+    if not Distributed.current().is_main:  # rank 0 streams the index and writes OUT
+        with run_folder(cfg.out, "score", cfg, cfg.overwrite):
+            return {}
+    options = cfg.options
+    with run_folder(cfg.out, "score", cfg, cfg.overwrite) as run:
+        columns = len(queries.ids) if options.aggregate == "none" else 1
+        scores_out = None
+        if cfg.save_scores:
+            scores_out = np.lib.format.open_memmap(
+                run.path / "scores.npy", mode="w+", dtype=np.float32, shape=(columns, len(index))
+            )
+        start = time.perf_counter()
+        top, whitening = score_index(index, grads, options, scores_out)
+        seconds = time.perf_counter() - start
+        if scores_out is not None:
+            scores_out.flush()
+            del scores_out
+        records = top_records(index, queries.ids, top, options.aggregate)
+        write_jsonl(run.path / "top.jsonl", records)
+        write_jsonl(
+            run.path / "queries.jsonl", [{"query": q, "text": t} for q, t in zip(queries.ids, queries.texts)]
+        )
+        summary = {
+            "index": str(index.path),
+            "mode": options.mode,
+            "aggregate": options.aggregate,
+            "search": options.search,
+            "num_queries": len(queries.ids),
+            "num_rows": len(index),
+            "mix": whitening.mix if whitening else None,
+            "damping": options.damping,
+            "precision": setup.policy.name,
+            "score_seconds": seconds,
+            "rows_per_s": len(index) / max(seconds, 1e-9),
+        }
+        write_json(run.path / "summary.json", summary)
+    print_table(index, records, dict(zip(queries.ids, queries.texts)), cfg.show)
+    say(f"results in {cfg.out}/ (top.jsonl, queries.jsonl{', scores.npy' if cfg.save_scores else ''})")
+    return summary
+
+
+def fold(text: str, width: int = 90) -> str:
+    """One line: newlines shown as ' / ', cut to `width` characters."""
+    line = " / ".join(part.strip() for part in text.strip().splitlines() if part.strip())
+    return line if len(line) <= width else line[: width - 1] + "…"
+
+
+def print_table(index: GradientIndex, records: list[dict], query_texts: dict[Any, str], show: int) -> None:
+    """Each query's text, then its top proponents: rank, score, train id, text."""
+    wanted = {pid for r in records for pid, _ in r["proponents"][:show] + r["opponents"][:1]}
+    texts = train_texts(index, wanted)
+    for r in records:
+        label = r["query"]
+        text = query_texts.get(label) or f"{label} of {len(r.get('queries', []))} queries"
+        say(f"\nquery {label}: {fold(text)}")
+        say(f"  {'rank':>4}  {'score':>8}  {'train id':>8}  text")
+        for rank, (pid, value) in enumerate(r["proponents"][:show], 1):
+            say(f"  {rank:>4}  {value:>8.4f}  {pid:>8}  {fold(texts.get(pid, ''), 70)}")
+        if r["opponents"]:
+            pid, value = r["opponents"][0]
+            say(f"  {'opp.':>4}  {value:>8.4f}  {pid:>8}  {fold(texts.get(pid, ''), 70)}")
+
+
+def pick_latent(cfg: ScoreConfig, sae_dir: str) -> int:
+    """The latent of the SAE in SAE_DIR most active on the queries of `cfg` (summed over tokens)."""
+    index = open_index(cfg.index)
+    setup = setup_from_index(index, cfg.device)
+    queries = load_queries(cfg.queries, int(index.meta["data"]["max_length"]), setup.tokenizer)
+    return most_active_latent(setup.model, load_hooked_sae(sae_dir), queries.examples, setup.pad_id)
+
+
+DEMO_QUERIES = QueryConfig(
+    query_dataset="abc-tunes",
+    query_split="eval",
+    query_filter_column="collection",
+    query_filter_value="oneill",
+)
+"""The README's main job queries: held-out Irish (O'Neill) tunes."""
+
+
+def score_demo(index_dir: str, out_dir: str, queries: int = 3, overwrite: bool = False) -> dict[str, Any]:
+    """The README's main job: attribute held-out O'Neill tunes to the ABC training tunes."""
+    q = dataclasses.replace(DEMO_QUERIES, query_max_samples=queries)
+    return run_score(ScoreConfig(out=out_dir, index=index_dir, queries=q, overwrite=overwrite))
+
+
+def latent_demo(index_dir: str, sae_dir: str, out: str, queries: int = 3, overwrite: bool = False) -> dict:
+    """The SAE latent most active on the demo's queries, attributed to the training tunes."""
+    q = dataclasses.replace(DEMO_QUERIES, query_max_samples=queries)
+    cfg = ScoreConfig(out=out, index=index_dir, queries=q, overwrite=overwrite)
+    latent = pick_latent(cfg, sae_dir)
+    return run_score(dataclasses.replace(cfg, query_sae=str(sae_dir), latent=latent))
+
+
+Config = ScoreConfig
+run = run_score
