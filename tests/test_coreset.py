@@ -22,6 +22,7 @@ from assay.core.errors import AssayError
 from assay.selection.coreset import CoresetConfig, run_experiment
 from assay.selection.filter import FilterConfig, read_selection, select
 from assay.training.finetune import finetune
+from assay.training.recipe import TrainRecipe
 
 NOTES = "ABcdefgab"
 WORDS = "the king and queen of night walk slowly over fields where rivers run under cold grey skies".split()
@@ -64,10 +65,7 @@ def experiment(tmp_path_factory, tiny_model_dir):
         query_split="train",
         eval_dataset=target,
         eval_split="train",
-        learning_rate=3e-3,
-        num_epochs=3,
-        effective_batch_size=4,
-        micro_batch_size=4,
+        recipe=TrainRecipe(learning_rate=3e-3, num_epochs=3, effective_batch_size=4, micro_batch_size=4),
         token_batch_size=2048,
     )
     results = run_experiment(cfg)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -18,8 +19,10 @@ from assay.lm.data import load_examples
 from assay.lm.models import load_model, load_tokenizer
 from assay.training import finetune as ft
 from assay.training.checkpoint import OPTIMIZER_STATE_FILE, load_second_moments
+from assay.training.recipe import TrainRecipe
 from assay.training.schedule import lr_factor, warmup_steps_for
-from assay.training.subset import read_ids, replayed_plan, step_batches
+from assay.training.step import train_step
+from assay.training.subset import read_ids, replayed_plan
 from tests.conftest import SAMPLE_TEXTS
 
 
@@ -39,19 +42,16 @@ def make_cfg(out: Path, model_dir: Path, data: Path, **kw) -> ft.FinetuneConfig:
         precision=kw.pop("precision", "fp32"), seed=kw.pop("seed", 0), attention="eager", threads=1
     )
     model = ModelConfig(model=str(model_dir), lora_rank=kw.pop("lora_rank", 0))
-    defaults = dict(
-        effective_batch_size=8,
-        micro_batch_size=4,
-        learning_rate=1e-3,
-        eval_split="",
-        log_every=1,
-        save_every=0,
-    )
+    recipe_fields = {f.name for f in dataclasses.fields(TrainRecipe)}
+    recipe = {"effective_batch_size": 8, "micro_batch_size": 4, "learning_rate": 1e-3}
+    recipe |= {k: kw.pop(k) for k in list(kw) if k in recipe_fields}
+    defaults = dict(eval_split="", log_every=1, save_every=0)
     return ft.FinetuneConfig(
         out=str(out),
         model=model,
         data=DataConfig(dataset=str(data), max_length=64),
         runtime=runtime,
+        recipe=TrainRecipe(**recipe),
         **(defaults | kw),
     )
 
@@ -83,7 +83,7 @@ def test_lora_trains_only_adapter_and_full_trains_everything(tmp_path, tiny_mode
 
 def _grads_after_step(model, examples, positions, micro, policy, pad_id):
     model.zero_grad(set_to_none=True)
-    ft.train_step(model, examples, positions, micro, policy, pad_id, None)
+    train_step(model, examples, positions, micro, policy, pad_id, None)
     return {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
@@ -195,7 +195,9 @@ def test_schedule_warms_up_then_decays():
     assert warm == 2 and factors[0] < factors[1] < factors[2] == 1.0
     assert all(a >= b for a, b in zip(factors[2:], factors[3:])) and factors[-1] < 0.05
     assert lr_factor(5, 10, 0, "constant") == 1.0 and lr_factor(5, 10, 0, "linear") == 0.5
-    assert [len(b) for _, b in step_batches([np.arange(10)], 4)] == [4, 4, 2]
+    assert [
+        len(b) for _, b in TrainRecipe(effective_batch_size=4, micro_batch_size=4).steps([np.arange(10)])
+    ] == [4, 4, 2]
 
 
 def test_selection_files_and_bad_input(tmp_path, tiny_model_dir, data_jsonl):

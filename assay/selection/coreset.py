@@ -34,8 +34,11 @@ from assay.selection.filter import FilterConfig, select
 from assay.selection.presets import prepare_preset
 from assay.selection.tables import write_report
 from assay.training.finetune import FinetuneConfig, finetune
+from assay.training.recipe import TrainRecipe
 
 STAGES_FILE = "stages.json"
+COMMON_RECIPE = TrainRecipe(learning_rate=1e-3, num_epochs=2, effective_batch_size=8, micro_batch_size=8)
+"""Every fine-tune of the experiment (full and subsets; subsets replay the full run's order)."""
 
 
 @dataclass
@@ -78,16 +81,7 @@ class CoresetConfig:
     """Keep only eval rows whose column equals --eval_filter_value."""
     eval_filter_value: str | None = None
     """The value --eval_filter_column must equal."""
-    learning_rate: float = 1e-3
-    """Peak learning rate of every fine-tune."""
-    num_epochs: int = 2
-    """Epochs of every fine-tune (full and subsets; subsets replay the full run's order)."""
-    effective_batch_size: int = 8
-    """Examples per optimizer step."""
-    micro_batch_size: int = 8
-    """Examples per forward/backward."""
-    warmup_ratio: float = 0.1
-    """Fraction of each run's steps spent warming up."""
+    recipe: tyro.conf.OmitArgPrefixes[TrainRecipe] = field(default_factory=lambda: COMMON_RECIPE)
     eval_every: int = 0
     """Eval-loss points on the curves every N steps (0: before and after only)."""
     pool_loss: bool = True
@@ -190,11 +184,7 @@ def finetune_config(cfg: CoresetConfig, lay: Layout, out: Path, seed: int, selec
         runtime=replace(cfg.runtime, seed=seed),
         selection=str(selection) if selection else None,
         ordered=str(lay.full(seed)) if selection and cfg.ordered else None,
-        learning_rate=cfg.learning_rate,
-        num_epochs=cfg.num_epochs,
-        effective_batch_size=cfg.effective_batch_size,
-        micro_batch_size=cfg.micro_batch_size,
-        warmup_ratio=cfg.warmup_ratio,
+        recipe=cfg.recipe,
         eval_every=cfg.eval_every,
         pool_loss=cfg.pool_loss,
         token_batch_size=cfg.token_batch_size,

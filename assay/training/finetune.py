@@ -5,14 +5,12 @@ AdamW's moments and every update stay fp32 (fp16 adds dynamic loss scaling). bf1
 keeps weights, gradients and Adam's moments in bf16 (what peers call "pure bf16"; small
 updates can round away). fp32 is the reference.
 
-Loss normalisation: an optimizer step's loss is the SUM of its token losses divided by the
-number of loss-carrying tokens in the whole effective batch, so splitting a batch of 8 into
-micro-batches (1x8, 4x2, ...) gives the same gradient (exactly, up to fp32 summation order).
+The recipe (optimizer, schedule, batches) is training/recipe.py's TrainRecipe and one optimizer
+step is training/step.py's; this module holds the run: data, resume, evaluation, outputs.
 """
 
 from __future__ import annotations
 
-import math
 import shutil
 import time
 from dataclasses import dataclass, field, replace
@@ -28,16 +26,16 @@ from assay.core.config import DataConfig, ModelConfig, RuntimeConfig
 from assay.core.console import note
 from assay.core.distributed import Distributed
 from assay.core.errors import AssayError
-from assay.core.precision import PrecisionPolicy, check_finite, full_precision
+from assay.core.precision import PrecisionPolicy, check_finite
 from assay.core.progress import Progress
 from assay.core.runs import config_to_dict, run_folder, write_json
-from assay.lm.data import Examples, collate, load_examples
-from assay.lm.losses import evaluate_losses, example_losses
+from assay.lm.data import Examples, load_examples
 from assay.lm.models import load_model, load_sharded_model, load_tokenizer, setup_runtime
 from assay.training import checkpoint as ckpt
 from assay.training.metrics import MetricsLog, start_wandb
-from assay.training.schedule import ScheduleName, lr_factor, warmup_steps_for
-from assay.training.subset import ORDER_FILE, read_ids, replayed_plan, shuffled_plan, step_batches, write_plan
+from assay.training.recipe import TrainRecipe
+from assay.training.step import make_scaler, mean_loss, optimizer_update, train_step
+from assay.training.subset import ORDER_FILE, read_ids, replayed_plan, shuffled_plan, write_plan
 
 
 @dataclass
@@ -54,28 +52,7 @@ class FinetuneConfig:
     (Named --selection because --subset is the hub dataset configuration.)"""
     ordered: str | None = None
     """A finished full-data `assay finetune` run: replay its visit order, skipping unselected examples."""
-    learning_rate: float = 1e-4
-    """Peak learning rate (AdamW)."""
-    weight_decay: float = 0.0
-    """AdamW decoupled weight decay."""
-    adam_betas: tuple[float, float] = (0.9, 0.999)
-    """AdamW's beta1 and beta2."""
-    num_epochs: int = 1
-    """Passes over the (sub)set."""
-    max_steps: int = 0
-    """Stop after this many optimizer steps (0: run every epoch to the end)."""
-    effective_batch_size: int = 32
-    """Examples per optimizer step."""
-    micro_batch_size: int = 8
-    """Examples per forward/backward; gradients accumulate over effective/micro of them."""
-    schedule: ScheduleName = "cosine"
-    """Learning-rate decay after warm-up."""
-    warmup_ratio: float = 0.1
-    """Fraction of the steps spent warming up linearly (ignored when --warmup_steps > 0)."""
-    warmup_steps: int = 0
-    """Warm-up steps (0: use --warmup_ratio)."""
-    max_grad_norm: float = 1.0
-    """Clip the global gradient norm to this (0: no clipping)."""
+    recipe: tyro.conf.OmitArgPrefixes[TrainRecipe] = field(default_factory=TrainRecipe)
     eval_dataset: str | None = None
     """Dataset for eval loss (default: --dataset)."""
     eval_split: str = "eval"
@@ -108,15 +85,10 @@ class FinetuneConfig:
     """Replace a finished run in OUT."""
 
     def __post_init__(self) -> None:
-        if self.effective_batch_size < 1 or self.micro_batch_size < 1:
-            raise AssayError("--effective_batch_size and --micro_batch_size must be >= 1")
-        if self.effective_batch_size % self.micro_batch_size:
+        if self.log_every < 1 or self.save_every < 0 or self.eval_every < 0 or self.token_batch_size < 1:
             raise AssayError(
-                f"--effective_batch_size {self.effective_batch_size} must be a multiple of "
-                f"--micro_batch_size {self.micro_batch_size}"
+                "--log_every and --token_batch_size must be >= 1, --save_every and --eval_every >= 0"
             )
-        if self.num_epochs < 1 or self.learning_rate <= 0:
-            raise AssayError("--num_epochs must be >= 1 and --learning_rate > 0")
         if self.ordered and not self.selection:
             raise AssayError("--ordered replays a full run's order for a --selection; give --selection too")
         if (self.eval_filter_column is None) != (self.eval_filter_value is None):
@@ -153,112 +125,10 @@ def prepare_data(cfg: FinetuneConfig, tokenizer: Any) -> TrainData:
     eval_cfg = eval_data_config(cfg)
     evals = load_examples(eval_cfg, tokenizer)[1] if eval_cfg else None
     if cfg.ordered:
-        plan = replayed_plan(cfg.ordered, train.ids, cfg.num_epochs)
+        plan = replayed_plan(cfg.ordered, train.ids, cfg.recipe.num_epochs)
     else:
-        plan = shuffled_plan(train.ids, cfg.num_epochs, cfg.runtime.seed)
+        plan = shuffled_plan(train.ids, cfg.recipe.num_epochs, cfg.runtime.seed)
     return TrainData(train, keep_pool if cfg.pool_loss else None, evals, plan)
-
-
-def make_optimizer(model: torch.nn.Module, cfg: FinetuneConfig) -> torch.optim.AdamW:
-    """AdamW over the trainable parameters; its moments take the parameters' dtype (fp32 masters)."""
-    params = list(ckpt.trainable_parameters(model).values())
-    if not params:
-        raise AssayError("the model has no trainable parameters")
-    return torch.optim.AdamW(
-        params, lr=cfg.learning_rate, betas=cfg.adam_betas, weight_decay=cfg.weight_decay, foreach=False
-    )
-
-
-def make_scaler(policy: PrecisionPolicy) -> Any:
-    """Dynamic loss scaling for fp16 (None otherwise: bf16 has fp32's exponent range)."""
-    if not policy.uses_loss_scaling:
-        return None
-    return torch.amp.GradScaler(policy.device.type)
-
-
-def train_step(
-    model: torch.nn.Module,
-    examples: Examples,
-    positions: np.ndarray,
-    micro_batch_size: int,
-    policy: PrecisionPolicy,
-    pad_id: int,
-    scaler: Any,
-) -> tuple[float, int, int]:
-    """Accumulate the effective batch's gradient; returns (summed loss, loss tokens, real tokens).
-
-    Each micro-batch's summed token loss is divided by the whole batch's loss-token count,
-    so the accumulated gradient is the token-mean gradient of the effective batch.
-    """
-    positions = positions[np.argsort(-examples.lengths[positions], kind="stable")]  # less padding
-    loss_tokens = int(examples.num_loss_tokens()[positions].sum())  # of the whole effective batch
-    # Data-parallel: each rank takes every world-th example (balanced lengths), so accumulation
-    # steps per rank = effective / (micro x world); summing the ranks' gradients gives exactly
-    # the one-process gradient (each micro-batch already divides by the global token count).
-    dist = Distributed.current()
-    mine = dist.interleave_array(positions)
-    total, real = 0.0, 0
-    for chunk in _micro_batches(mine, len(positions), micro_batch_size, dist.world_size):
-        weight = 1.0 if len(chunk) else 0.0  # a rank short of examples runs one with weight 0
-        batch = collate(examples, chunk if len(chunk) else positions[-1:], pad_id, policy.device)
-        with policy.autocast():
-            losses = example_losses(model, batch)  # [b] fp32 summed token losses
-        with full_precision(policy.device):
-            loss = losses.sum() * weight / max(loss_tokens, 1)
-        (scaler.scale(loss) if scaler is not None else loss).backward()
-        total += float(losses.detach().sum()) * weight
-        real += int(batch["attention_mask"].sum()) * int(weight)
-    if not fsdp.is_sharded(model):  # FSDP reduce-scattered (summed, fp32) them in the backward
-        dist.all_reduce_grads_(p for p in model.parameters() if p.requires_grad)  # fp32 sum, as DDP
-    total, real_sum = dist.sum_scalars(total, real)
-    return total, loss_tokens, int(real_sum)
-
-
-def _micro_batches(mine: np.ndarray, n: int, micro: int, world: int) -> list[np.ndarray]:
-    """This rank's micro-batches, padded with empty ones so that every rank runs as many as the
-    rank with the largest share (ceil(n / world) examples): with --fsdp every forward and
-    backward is a collective, and under DDP the extra pass costs only time a rank would wait."""
-    largest = math.ceil(n / world)
-    rounds = math.ceil(largest / micro)
-    return [mine[i * micro : (i + 1) * micro] for i in range(rounds)]
-
-
-def optimizer_update(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: Any, max_grad_norm: float, lr: float
-) -> float:
-    """Clip, step and zero the gradients; returns the (unscaled) global gradient norm."""
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    if scaler is not None:
-        scaler.unscale_(optimizer)
-    limit = max_grad_norm if max_grad_norm > 0 else math.inf
-    norm = float(fsdp.full_tensor(torch.nn.utils.clip_grad_norm_(params, limit, foreach=False)))
-    if scaler is not None:
-        scaler.step(optimizer)  # skips the step when the scaled gradients overflowed
-        scaler.update()
-    else:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return norm
-
-
-def mean_loss(
-    model: torch.nn.Module, examples: Examples, policy: PrecisionPolicy, pad_id: int, tbs: int
-) -> float:
-    """Token-weighted mean loss (nats/token), with the model in eval mode."""
-    model.eval()
-    dist = Distributed.current()
-    # Each rank evaluates its share and the loss sums are added up (fp64); with --fsdp every
-    # forward is a collective, so every rank evaluates every example (in the same batches).
-    if dist.active and not fsdp.is_sharded(model):
-        mine = examples.subset(dist.interleave_array(np.arange(len(examples))))
-        part = float(evaluate_losses(model, mine, policy, pad_id, tbs, desc="eval").sum()) if len(mine) else 0
-        model.train()
-        return dist.sum_scalars(part)[0] / max(int(examples.num_loss_tokens().sum()), 1)
-    losses = evaluate_losses(model, examples, policy, pad_id, tbs, desc="eval")
-    model.train()
-    return float(losses.sum() / max(int(examples.num_loss_tokens().sum()), 1))
 
 
 def _after_step(step: int) -> None:
@@ -280,14 +150,13 @@ class Trainer:
     scaler: Any = field(init=False)
 
     def __post_init__(self) -> None:
-        self.optimizer = make_optimizer(self.model, self.cfg)
+        recipe = self.cfg.recipe
+        self.optimizer = recipe.optimizer(list(ckpt.trainable_parameters(self.model).values()))
         self.scaler = make_scaler(self.policy)
-        self.steps = step_batches(self.data.plan, self.cfg.effective_batch_size)
-        if self.cfg.max_steps > 0:
-            self.steps = self.steps[: self.cfg.max_steps]
+        self.steps = recipe.steps(self.data.plan)
         if not self.steps:
             raise AssayError("nothing to train on: the plan has no steps")
-        self.warmup = warmup_steps_for(len(self.steps), self.cfg.warmup_ratio, self.cfg.warmup_steps)
+        self.lrs = recipe.learning_rates(len(self.steps))
         self.position = {int(i): p for p, i in enumerate(self.data.train.ids)}
 
     def eval_loss(self) -> float | None:
@@ -326,13 +195,13 @@ class Trainer:
                     self.model,
                     self.data.train,
                     positions,
-                    cfg.micro_batch_size,
+                    cfg.recipe.micro_batch_size,
                     self.policy,
                     self.pad_id,
                     self.scaler,
                 )
-                lr = cfg.learning_rate * lr_factor(step, len(self.steps), self.warmup, cfg.schedule)
-                norm = optimizer_update(self.model, self.optimizer, self.scaler, cfg.max_grad_norm, lr)
+                lr = self.lrs[step]
+                norm = optimizer_update(self.model, self.optimizer, self.scaler, cfg.recipe.max_grad_norm, lr)
                 seconds = time.perf_counter() - t0
                 train_s += seconds
                 check_finite(torch.tensor(loss), "the training loss", self.policy)

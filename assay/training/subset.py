@@ -77,12 +77,3 @@ def write_plan(path: Path, plan: list[np.ndarray]) -> None:
     from assay.core.runs import write_json
 
     write_json(path, {"epochs": [e.tolist() for e in plan]})
-
-
-def step_batches(plan: list[np.ndarray], effective_batch_size: int) -> list[tuple[int, np.ndarray]]:
-    """Cut each epoch's ids into optimizer steps of `effective_batch_size` (the last may be short)."""
-    steps = []
-    for epoch, ids in enumerate(plan):
-        for start in range(0, len(ids), effective_batch_size):
-            steps.append((epoch, ids[start : start + effective_batch_size]))
-    return steps
