@@ -103,6 +103,7 @@ def test_shares_are_equal_length_and_cover_everything():
 BUILD_FLAGS = [
     "--precision", "fp32", "--projection_dim", "4", "--token_batch_size", "48",
     "--normalizer", "adafactor", "--normalizer_samples", "8", "--preconditioner", "trackstar",
+    "--threads", "1",  # the reference in this process and the torchrun workers: same GEMM blocking
 ]  # fmt: skip
 
 
