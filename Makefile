@@ -24,6 +24,7 @@ lint: setup
 	$(VENV)/bin/ruff check assay tests bench scripts
 	$(VENV)/bin/ruff format --check assay tests bench scripts
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 
 test: lint browser
 	$(VENV)/bin/pytest -q --ignore=tests/interop
@@ -32,12 +33,16 @@ test: lint browser
 clean:
 	rm -rf $(VENV) demo-out
 
-# SAELens round trip (and W&B offline logging) in a separate env: the peers never enter .venv.
+# SAELens round trip, W&B offline logging and kronfluence agreement in a separate env: the peers never
+# enter .venv.
 PEERS ?= .venv-peers
 .PHONY: test-interop
 test-interop:
 	test -x $(PEERS)/bin/python || python3 -m venv $(PEERS)
 	$(PEERS)/bin/python -m pip install -q "$(TORCH)" sae-lens eai-sparsify "tyro>=0.9" pytest
+	# kronfluence (the reference EK-FAC) without its declared torchvision, which breaks beside the CPU torch
+	$(PEERS)/bin/python -m pip install -q --no-deps kronfluence
+	$(PEERS)/bin/python -m pip install -q einops einconv opt-einsum accelerate
 	PYTHONPATH=. $(PEERS)/bin/python -m pytest -q -p no:cacheprovider tests/interop
 
 # Headless Chromium for the report's browser test (tests/test_report.py); idempotent.

@@ -23,6 +23,8 @@ from torch import nn
 
 from assay.attribution import index as ix
 from assay.attribution.collector import DEFAULT_MODULES, GradientCollector, Objective, linear_modules
+from assay.attribution.kfac import Kind, save_factors
+from assay.attribution.kfac_fit import fit_kfac
 from assay.attribution.normalizers import (
     Normalizer,
     estimate_normalizer,
@@ -81,8 +83,12 @@ class BuildConfig:
     """Examples the second moments are estimated from (when no --optimizer_state)."""
     normalizer_beta2: float = 0.999
     """Second-moment decay used for the estimate (Adam's default)."""
-    preconditioner: Literal["none", "trackstar"] = "none"
-    """Also save per-module sums of g gᵀ (fp32) for TrackStar's R^(-1/2) at scoring time."""
+    preconditioner: Literal["none", "trackstar", "kfac", "ekfac"] = "none"
+    """trackstar: save per-module sums of g gᵀ (fp32) of the stored rows for TrackStar's R^(-1/2)
+    (and `--mode influence` on the projected rows). kfac / ekfac: also fit Kronecker-factored
+    curvature of the model (A = E[a aᵀ], G = E[g gᵀ] per layer, eigendecomposed in fp64; EK-FAC
+    refits the eigenvalues on per-example gradients) over the same sample, for `assay score
+    --mode influence` (docs/attribution.md). Needs --normalizer none."""
     stats_samples: int = 10000
     """Examples (a seeded sample of the index) the preconditioner statistics sum over."""
     fsdp: bool = False
@@ -98,6 +104,13 @@ class BuildConfig:
             raise AssayError(f"--token_batch_size must be positive, got {self.token_batch_size}")
         if self.optimizer_state and self.normalizer == "none":
             raise AssayError("--optimizer_state needs --normalizer adafactor or adam")
+        if self.preconditioner in ("kfac", "ekfac") and self.normalizer != "none":
+            raise AssayError(
+                f"--preconditioner {self.preconditioner} is the curvature of the plain loss gradients; "
+                "build with --normalizer none"
+            )
+        if self.preconditioner in ("kfac", "ekfac") and self.fsdp:
+            raise AssayError(f"--preconditioner {self.preconditioner} is not available with --fsdp yet")
         if min(self.normalizer_samples, self.stats_samples) < 1:
             raise AssayError("--normalizer_samples and --stats_samples must be positive")
 
@@ -187,6 +200,8 @@ def build_index(cfg: BuildConfig) -> dict[str, Any]:
         # sharded weights every rank must join its forward/backward passes, so all estimate.
         with nullcontext() if cfg.fsdp else dist.main_first():
             normalizer = _normalizer(cfg, run.path, model, modules, examples, policy, tokenizer.pad_token_id)
+        if cfg.preconditioner in ("kfac", "ekfac"):
+            fit_curvature(cfg, run.path, model, modules, examples, policy, tokenizer.pad_token_id)
         projector = Projector(cfg.projection_dim, cfg.projection_seed)
         setup = GradientSetup(
             model, tokenizer, policy, modules, projector, normalizer, tokenizer.pad_token_id
@@ -198,7 +213,7 @@ def build_index(cfg: BuildConfig) -> dict[str, Any]:
             write_json(run.path / ix.META_FILE, meta)
             np.save(run.path / ix.IDS_FILE, examples.ids.astype(np.int64))
         summary = write_rows(setup, examples, run.path, cfg)
-        if cfg.preconditioner == "trackstar":
+        if cfg.preconditioner != "none":
             save_preconditioner_stats(run.path, meta, cfg.stats_samples, cfg.runtime.seed)
     return {**meta, **summary}
 
@@ -261,6 +276,28 @@ def _normalizer(cfg, folder: Path, model, modules, examples, policy, pad_id) -> 
     if Distributed.current().is_main:
         normalizer.save(path)
     return normalizer
+
+
+def fit_curvature(
+    cfg: BuildConfig, folder: Path, model: nn.Module, modules: dict[str, nn.Module], examples: Examples,
+    policy: PrecisionPolicy, pad_id: int,
+) -> None:  # fmt: skip
+    """K-FAC / EK-FAC factors of the loss over a seeded sample of --stats_samples examples, saved to
+    kfac.safetensors (kept when resuming). Under torchrun each rank fits its share of the batches
+    and the sums are reduced, so every rank ends with the same factors; rank 0 saves them."""
+    path = folder / ix.KFAC_FILE
+    if path.exists():
+        return
+    sample = examples.subset(sample_positions(len(examples), cfg.stats_samples, cfg.runtime.seed))
+    dist = Distributed.current()
+    shares = dist.interleave_padded(token_batches(sample, cfg.token_batch_size))
+    batches = [collate(sample, p, pad_id, policy.device) for p in shares if p is not None]
+    note(f"fitting {cfg.preconditioner} curvature over {len(sample)} examples")
+    kind: Kind = "kfac" if cfg.preconditioner == "kfac" else "ekfac"
+    factors = fit_kfac(model, batches, example_losses, kind, modules, policy, dist=dist)
+    if dist.is_main:
+        save_factors(factors, path)
+    dist.barrier()
 
 
 def _open_arrays(folder: Path, n: int, dim: int, store_dtype: str) -> tuple[list[Any], bool]:

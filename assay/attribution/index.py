@@ -7,6 +7,7 @@ Layout of an index folder (see docs/index-format.md):
     norms.npy                  [N] float32 L2 norm of each stored row (indexes built since it exists)
     normalizer.safetensors     optional, fp32
     preconditioner.safetensors optional, fp32 sums of g gᵀ per module + "__count__"
+    kfac.safetensors           optional (--preconditioner kfac|ekfac): K-FAC eigenbases (+ EK-FAC Λ)
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from assay.attribution.kfac import KronFactors, load_factors
 from assay.core.errors import AssayError
 from assay.core.runs import DONE_FILE, read_json
 
@@ -29,6 +31,7 @@ TOKENS_FILE = "tokens.npy"
 NORMS_FILE = "norms.npy"
 NORMALIZER_FILE = "normalizer.safetensors"
 PRECONDITIONER_FILE = "preconditioner.safetensors"
+KFAC_FILE = "kfac.safetensors"
 FORMAT_VERSION = 1
 
 
@@ -68,6 +71,17 @@ class GradientIndex:
         tensors = load_file(str(path))
         count = int(tensors.pop("__count__").item())
         return {k: v.to(torch.float32) for k, v in tensors.items()}, count
+
+    def kfac_factors(self) -> KronFactors | None:
+        """The K-FAC / EK-FAC factors the index was built with (None when it was built without)."""
+        if self.meta.get("preconditioner") not in ("kfac", "ekfac"):
+            return None
+        path = self.path / KFAC_FILE
+        if not path.exists():
+            raise AssayError(
+                f"{self.path} says it was built with {self.meta['preconditioner']} but has no {KFAC_FILE}"
+            )
+        return load_factors(path)
 
     def normalizer_tensors(self) -> dict[str, torch.Tensor]:
         """The fp32 normalizer tensors the index was built with (empty when none)."""

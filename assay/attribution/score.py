@@ -33,7 +33,9 @@ from assay.attribution.kernel import (
     row_norms,
     score_rows,
 )
+from assay.attribution.kfac import precondition_rows, projected_curvature
 from assay.attribution.precondition import MIX_FRACTION, Whitening, build_whitening, second_moment_sums
+from assay.attribution.projection import Projector
 from assay.core.config import DataConfig
 from assay.core.console import note
 from assay.core.distributed import Distributed
@@ -120,6 +122,11 @@ def whitening_for(
     """TrackStar's R^(-1/2) from the index's saved statistics (or a pass over its rows) and the queries."""
     if mode not in ("trackstar", "influence"):
         return None
+    factors = index.kfac_factors() if mode == "influence" else None
+    if factors is not None:  # the index's K-FAC/EK-FAC curvature, projected exactly onto its rows
+        projector = Projector(int(index.meta["projection_dim"]), int(index.meta["projection_seed"]))
+        curvature = projected_curvature(factors, projector)
+        return build_whitening(curvature, 1, None, index.modules, 0.0, damping, fraction)
     try:
         sums, count = index.preconditioner_stats()
     except AssayError:
@@ -251,17 +258,28 @@ def score_index(
             raise AssayError("--search faiss gives top-k only; drop --save_scores or use --search exact")
         return faiss_top(index, queries, o)
     chunk_rows = o.chunk_rows or auto_chunk_rows(index.dim)
-    whitening = whitening_for(index, queries, o.mode, o.mix, o.damping, o.mix_fraction)
+    mode = o.mode
+    if mode == "influence" and index.meta["projection_dim"] == 0 and index.kfac_factors() is not None:
+        queries, mode = raw_curvature_queries(index, queries, o.damping), "inner"  # exact: no projection
+    whitening = whitening_for(index, queries, mode, o.mix, o.damping, o.mix_fraction)
     base = None
     smallest = min(sl.stop - sl.start for sl in index.modules.values())
-    if o.mode == "trackstar" and o.cache_norms and whitening is not None and whitening.lowrank is not None:
+    if mode == "trackstar" and o.cache_norms and whitening is not None and whitening.lowrank is not None:
         if 4 * queries.shape[0] <= smallest:
             base = cached_base_norms(index, whitening, chunk_rows)
-    norms = index_row_norms(index, o.mode, o.cache_norms, chunk_rows)
-    plan = plan_queries(queries, o.mode, o.aggregate, whitening, base, norms)
+    norms = index_row_norms(index, mode, o.cache_norms, chunk_rows)
+    plan = plan_queries(queries, mode, o.aggregate, whitening, base, norms)
     with Progress(len(index), "score", unit="row") as bar:
         top = score_rows(ArrayRows(index.gradients), plan, o.top_k, scores_out, chunk_rows, bar.set_done)
     return top, whitening
+
+
+def raw_curvature_queries(index: GradientIndex, queries: torch.Tensor, damping: float) -> torch.Tensor:
+    """[Q, D] (H + δ)⁻¹ g_q with the index's K-FAC/EK-FAC factors, for an index of raw (unprojected)
+    rows: the plain inner product with its rows is then exactly the influence."""
+    factors = index.kfac_factors()
+    assert factors is not None
+    return precondition_rows(queries, factors, Projector(0, 0), damping=damping).to(torch.float32)
 
 
 def query_gradients(
