@@ -58,6 +58,19 @@ class Distributed:
             tdist.init_process_group("nccl" if cuda else "gloo")
         return cls(tdist.get_rank(), tdist.get_world_size(), local)
 
+    @staticmethod
+    @contextmanager
+    def alone() -> Iterator[None]:
+        """Inside the block this process is a world of one: every collective is a no-op. For jobs
+        that each rank runs independently (`assay validate` retrains one subset per rank)."""
+        global _CURRENT
+        saved = Distributed.current()
+        _CURRENT = Distributed()
+        try:
+            yield
+        finally:
+            _CURRENT = saved
+
     @property
     def is_main(self) -> bool:
         return self.rank == 0

@@ -16,8 +16,6 @@ the fp32 index).
 
 from __future__ import annotations
 
-import shutil
-import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -26,17 +24,15 @@ import tyro
 
 from assay.attribution.build import BuildConfig, build_index
 from assay.core.config import DataConfig, ModelConfig, QueryConfig, RuntimeConfig
-from assay.core.console import note
 from assay.core.distributed import Distributed
 from assay.core.errors import AssayError
-from assay.core.runs import CONFIG_FILE, DONE_FILE, RunFolder, read_json, write_json
+from assay.core.experiment import Stages, finish_experiment, open_experiment
 from assay.selection.filter import FilterConfig, select
-from assay.selection.presets import prepare_preset
+from assay.lm.presets import prepare_preset
 from assay.selection.tables import write_report
 from assay.training.finetune import FinetuneConfig, finetune
 from assay.training.recipe import TrainRecipe
 
-STAGES_FILE = "stages.json"
 COMMON_RECIPE = TrainRecipe(learning_rate=1e-3, num_epochs=2, effective_batch_size=8, micro_batch_size=8)
 """Every fine-tune of the experiment (full and subsets; subsets replay the full run's order)."""
 
@@ -153,29 +149,6 @@ def resolve_layout(cfg: CoresetConfig, root: Path) -> Layout:
     return Layout(root, data, query, files["query"] if query == "eval" else None, "train", eval_data)
 
 
-class Stages:
-    """Run each stage once: a stage whose folder holds a finished run is skipped.
-
-    Under torchrun every rank runs every stage (build, finetune and filter are rank-aware);
-    rank 0 decides which are finished, so all ranks skip the same ones, and records the times.
-    """
-
-    def __init__(self, root: Path):
-        self.path = root / STAGES_FILE
-        self.times: dict[str, float] = read_json(self.path) if self.path.exists() else {}
-
-    def run(self, name: str, folder: Path, fn: Any, *args: Any) -> None:
-        dist = Distributed.current()
-        if dist.broadcast_object((folder / DONE_FILE).exists()):
-            return
-        note(f"--- stage {name}")
-        start = time.perf_counter()
-        fn(*args)
-        self.times[name] = time.perf_counter() - start
-        if dist.is_main:
-            write_json(self.path, self.times)
-
-
 def finetune_config(cfg: CoresetConfig, lay: Layout, out: Path, seed: int, selection: Path | None) -> Any:
     return FinetuneConfig(
         out=str(out),
@@ -258,36 +231,10 @@ def run_stages(cfg: CoresetConfig, lay: Layout, stages: Stages) -> None:
             )
 
 
-def open_experiment(cfg: CoresetConfig) -> Path:
-    """The experiment folder, written in place (stages refer to each other by path, so it is not
-    renamed at the end): finished when it holds run.json; resumable with the same settings."""
-    root = Path(cfg.out).resolve()
-    folder = RunFolder(root, "coreset", cfg, cfg.overwrite)
-    if (root / DONE_FILE).exists():
-        if not cfg.overwrite:
-            raise AssayError(f"{root} holds a finished experiment; pass --overwrite to redo it from scratch")
-        shutil.rmtree(root)
-    if root.exists() and not (root / CONFIG_FILE).exists():
-        raise AssayError(f"{root} exists and is not an assay coreset experiment; choose another folder")
-    if (root / CONFIG_FILE).exists():
-        old = read_json(root / CONFIG_FILE)["config"]
-        new = dict(folder.record["config"])
-        if {k: v for k, v in old.items() if k != "overwrite"} != {
-            k: v for k, v in new.items() if k != "overwrite"
-        }:
-            raise AssayError(
-                f"{root} holds an experiment with other settings; rerun with the same ones to resume"
-            )
-        note(f"resuming the experiment in {root}")
-    root.mkdir(parents=True, exist_ok=True)
-    write_json(root / CONFIG_FILE, folder.record)
-    return root
-
-
 def finish(cfg: CoresetConfig, lay: Layout, root: Path) -> dict[str, Any]:
     """The report (results.json, results.md, curves.png), then the experiment's run.json."""
     results = write_report(cfg, lay, rows_of(cfg), root)
-    write_json(root / DONE_FILE, {"finished": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+    finish_experiment(root)
     return results
 
 
@@ -298,7 +245,7 @@ def run_experiment(cfg: CoresetConfig) -> dict[str, Any]:
     rank runs the stages together and returns rank 0's results.
     """
     dist = Distributed.current()
-    root = dist.main_only(open_experiment, cfg)
+    root = dist.main_only(open_experiment, cfg.out, "coreset", cfg, cfg.overwrite)
     lay = dist.main_only(resolve_layout, cfg, root)
     run_stages(cfg, lay, Stages(root))
     return dist.main_only(finish, cfg, lay, root)

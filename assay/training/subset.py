@@ -69,8 +69,12 @@ def replayed_plan(full_run: str | Path, ids: np.ndarray, num_epochs: int) -> lis
     missing = np.setdiff1d(ids, epochs[0])
     if len(missing):
         raise AssayError(f"--ordered {full_run} never visited example id {int(missing[0])} of this subset")
-    keep = set(ids.tolist())
-    return [np.array([i for i in e if int(i) in keep], dtype=np.int64) for e in epochs[:num_epochs]]
+    return restricted_plan(epochs[:num_epochs], ids)
+
+
+def restricted_plan(plan: list[np.ndarray], ids: np.ndarray) -> list[np.ndarray]:
+    """`plan`'s visit order with only `ids` kept (every other example skipped)."""
+    return [e[np.isin(e, ids)].astype(np.int64) for e in plan]
 
 
 def write_plan(path: Path, plan: list[np.ndarray]) -> None:
