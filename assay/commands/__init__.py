@@ -44,6 +44,9 @@ COMMANDS: dict[str, Command] = {
     "coreset": Command(
         "coreset", "Data selection proven by retraining: each strategy vs random vs full data."
     ),
+    "validate": Command(
+        "validate", "LDS of attribution methods on your fine-tune: retrain on random subsets, compare."
+    ),
     "sae train": Command(
         "sae_train",
         "Train a sparse autoencoder on a model's activations at one module (fp32 or bf16 autocast).",

@@ -1,9 +1,11 @@
-"""The two bundled experiments' data: a pool, a query set and a target eval set from abc-tunes.
+"""The bundled experiments' data: a pool, a query set and a target eval set from abc-tunes.
 
 - coreset:  pool = a seeded sample of training tunes from every collection; the pool is its
   own query; eval = a seeded sample of the held-out eval split (all collections).
 - targeted: the same kind of pool; query = O'Neill (Irish) training tunes kept OUT of the pool;
   target eval = the O'Neill tunes of the held-out eval split (disjoint from the query).
+- lds (`assay validate --preset abc`): the same kind of pool; query = a seeded sample of the
+  held-out eval split (all collections); no eval set.
 
 Files are written once into OUT/data as JSON lines (text, collection, title, source_row).
 """
@@ -19,7 +21,7 @@ import numpy as np
 from assay.core.paths import cache_dir
 from assay.lm import corpora
 
-PRESETS = ("coreset", "targeted")
+PRESETS = ("coreset", "targeted", "lds")
 TARGET_COLLECTION = "oneill"
 
 
@@ -47,7 +49,11 @@ def prepare_preset(
     train, held_out = _read("train"), _read("eval")
     order = np.random.default_rng(1234).permutation(len(train))
     pool = [int(i) for i in order[:pool_size]]  # an unbiased sample of every collection
-    if name == "targeted":
+    if name == "lds":
+        picked = np.random.default_rng(9012).permutation(len(held_out))[:query_size]
+        _write(paths["query"], [held_out[int(i)] for i in sorted(picked)])
+        _write(paths["eval"], [])
+    elif name == "targeted":
         rest = [int(i) for i in order[pool_size:] if train[i]["collection"] == TARGET_COLLECTION]
         _write(paths["query"], [train[i] for i in sorted(rest[:query_size])])
         _write(paths["eval"], [r for r in held_out if r["collection"] == TARGET_COLLECTION])

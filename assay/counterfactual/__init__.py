@@ -1,0 +1,2 @@
+"""Counterfactual attribution: what retraining without some examples actually does (the LDS
+ground truth), and exact metagradients through a training run."""

@@ -1,0 +1,166 @@
+"""The attribution methods `assay validate` computes itself, as [Q, N] score matrices.
+
+Each method is an index kind (how the pool's gradients are collected and what statistics are
+kept) and a score mode; every index is built on the model trained on the whole pool (the run
+the ground truth's subsets are counterfactuals of), at each requested precision. Scores follow
+`assay score`'s convention (positive = proponent), in the ground truth's row and query order.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from assay.attribution.build import BuildConfig, build_index, setup_from_index
+from assay.attribution.index import open_index
+from assay.attribution.score import ScoreOptions, check_compatible, query_gradients, score_index
+from assay.core.config import DataConfig, ModelConfig, QueryConfig, RuntimeConfig
+from assay.core.errors import AssayError
+from assay.core.runs import DONE_FILE, read_json, write_json
+from assay.lm.lean import keep_compute_casts
+from assay.lm.queries import load_queries
+
+
+@dataclass(frozen=True)
+class IndexKind:
+    """How a method's index is built (beyond model, data, precision and projection)."""
+
+    normalizer: str
+    preconditioner: str
+    optimizer_state: bool = False
+    """Normalize by the full run's own Adam second moments (its optimizer_state.safetensors)."""
+
+
+INDEX_KINDS: dict[str, IndexKind] = {
+    "raw": IndexKind("none", "trackstar"),
+    "adam": IndexKind("adam", "trackstar", optimizer_state=True),
+    "kfac": IndexKind("none", "kfac"),
+    "ekfac": IndexKind("none", "ekfac"),
+}
+
+
+@dataclass(frozen=True)
+class Method:
+    """An attribution method: the index it reads and the `assay score` mode it scores with."""
+
+    index: str
+    mode: str
+    summary: str
+
+
+METHODS: dict[str, Method] = {
+    "trackstar": Method(
+        "adam", "trackstar", "TrackStar: Adam-normalised gradients, R^(-1/2)-whitened cosine"
+    ),
+    "cosine": Method("raw", "cosine", "cosine of the raw projected gradients"),
+    "inner": Method("raw", "inner", "inner product of the raw projected gradients"),
+    "influence": Method("raw", "influence", "influence with the projected gradients' second moment"),
+    "kfac": Method("kfac", "influence", "influence with K-FAC curvature"),
+    "ekfac": Method("ekfac", "influence", "influence with EK-FAC curvature"),
+}
+
+
+@dataclass
+class MethodSetup:
+    """What every method's index and scores share."""
+
+    root: Path
+    model: ModelConfig
+    """The model trained on the whole pool (OUT/full/model)."""
+    full_run: Path
+    data: DataConfig
+    queries: QueryConfig
+    runtime: RuntimeConfig
+    projection_dim: int
+    token_batch_size: int
+    damping: float
+
+
+def index_path(setup: MethodSetup, kind: str, precision: str) -> Path:
+    return setup.root / "index" / f"{kind}-{precision}"
+
+
+def build_method_index(setup: MethodSetup, kind: str, precision: str) -> Path:
+    """Build (or resume, or reuse) the pool's index of this kind at this precision."""
+    out = index_path(setup, kind, precision)
+    if (out / DONE_FILE).exists():
+        return out
+    spec = INDEX_KINDS[kind]
+    build_index(
+        BuildConfig(
+            out=str(out),
+            model=setup.model,
+            data=setup.data,
+            runtime=replace(setup.runtime, precision=precision),  # type: ignore[arg-type]
+            projection_dim=setup.projection_dim,
+            token_batch_size=setup.token_batch_size,
+            normalizer=spec.normalizer,  # type: ignore[arg-type]
+            optimizer_state=str(setup.full_run) if spec.optimizer_state else None,
+            preconditioner=spec.preconditioner,  # type: ignore[arg-type]
+            stats_samples=10**9,  # the whole pool: it is small, and the statistics are then exact
+        )
+    )
+    return out
+
+
+def scores_path(setup: MethodSetup, label: str) -> Path:
+    return setup.root / "methods" / f"{label}.npy"
+
+
+def compute_method(
+    setup: MethodSetup, name: str, precision: str, pool_ids: np.ndarray, query_ids: list[Any]
+) -> Path:
+    """[Q, N] scores of method `name` at `precision` in the ground truth's order, saved as
+    OUT/methods/NAME-PRECISION.npy (+ .json with how long it took). Reused when already there."""
+    label = f"{name}-{precision}"
+    path = scores_path(setup, label)
+    if path.exists():
+        return path
+    method = METHODS[name]
+    start = time.perf_counter()
+    index = open_index(build_method_index(setup, method.index, precision))
+    built = time.perf_counter() - start
+    gradient_setup = setup_from_index(index, setup.runtime.device)
+    check_compatible(index, gradient_setup)
+    keep_compute_casts(gradient_setup.model, gradient_setup.policy)
+    queries = load_queries(setup.queries, int(index.meta["data"]["max_length"]), gradient_setup.tokenizer)
+    if [str(q) for q in queries.ids] != [str(q) for q in query_ids]:
+        raise AssayError(
+            f"the queries of {label} differ from the ground truth's; delete {setup.root} to redo"
+        )
+    grads = query_gradients(gradient_setup, queries.examples, setup.token_batch_size)
+    scores = np.zeros((len(queries.ids), len(index)), dtype=np.float32)
+    score_index(index, grads, ScoreOptions(mode=method.mode, damping=setup.damping), scores_out=scores)  # type: ignore[arg-type]
+    order = _positions(np.asarray(index.ids), pool_ids, label)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp.npy")
+    np.save(tmp, scores[:, order])
+    scored = time.perf_counter() - start - built
+    write_json(path.with_suffix(".json"), {
+        "method": name, "precision": precision, "mode": method.mode, "index": str(index.path),
+        "summary": method.summary, "index_seconds": built, "score_seconds": scored,
+    })  # fmt: skip
+    tmp.replace(path)
+    return path
+
+
+def _positions(index_ids: np.ndarray, pool_ids: np.ndarray, label: str) -> np.ndarray:
+    """Column positions in the index of each ground-truth pool id (refusing a different pool)."""
+    where = {int(v): i for i, v in enumerate(index_ids)}
+    missing = [int(v) for v in pool_ids if int(v) not in where]
+    if missing or len(index_ids) != len(pool_ids):
+        raise AssayError(
+            f"{label}: the index holds {len(index_ids)} examples, the ground truth's pool {len(pool_ids)}"
+            + (f" (id {missing[0]} missing)" if missing else "")
+        )
+    return np.array([where[int(v)] for v in pool_ids], dtype=np.int64)
+
+
+def method_facts(path: Path) -> dict[str, Any]:
+    """What a method's .json says about it (method, precision, mode, seconds...)."""
+    meta = path.with_suffix(".json")
+    return read_json(meta) if meta.exists() else {}

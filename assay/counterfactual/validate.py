@@ -1,0 +1,240 @@
+"""`assay validate`: how well does an attribution predict what retraining does, on your own setup?
+
+Stages, in the experiment folder OUT (written in place, resumable, see core/experiment.py):
+
+    data/                       the preset's pool and query files (--preset abc)
+    full/                       the recipe fine-tuned on the whole pool: the model attributed
+    ground_truth/               subset_NNNN.json per retrained subset (resumable one by one), then
+                                masks.npy [M, N], outputs.npy [M, Q], ids.npy, ground_truth.json
+    index/KIND-PRECISION/       the pool's gradient indexes under full/model (for --methods)
+    methods/METHOD-PRECISION.npy  each method's scores [Q, N] in the ground truth's order
+    lds.json, lds.md, lds.png   the LDS of every method and of every --scores run
+
+Subset runs replay the full run's visit order restricted to the subset (`--ordered`); under
+torchrun the full run and the subsets are shared out over the ranks, each trained by one
+process alone, so the ground truth is the same as in one process (with the same --threads).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import tyro
+
+from assay.core.config import DataConfig, ModelConfig, QueryConfig, RuntimeConfig
+from assay.core.console import note
+from assay.core.distributed import Distributed
+from assay.core.errors import AssayError
+from assay.core.experiment import Stages, finish_experiment, open_experiment
+from assay.core.runs import DONE_FILE, read_json, write_json
+from assay.counterfactual.ground_truth import (
+    GroundTruth,
+    RetrainSetup,
+    collect_outputs,
+    job_file,
+    query_losses,
+    run_subset,
+    subset_masks,
+)
+from assay.counterfactual.methods import METHODS, MethodSetup, compute_method
+from assay.counterfactual.report import evaluate_all
+from assay.lm.data import load_examples
+from assay.lm.models import load_model, load_tokenizer, setup_runtime
+from assay.lm.presets import prepare_preset
+from assay.lm.queries import load_queries
+from assay.training.finetune import FinetuneConfig, finetune
+from assay.training.recipe import TrainRecipe
+
+GROUND_TRUTH = "ground_truth"
+ABC_RECIPE = TrainRecipe(
+    learning_rate=1e-3, num_epochs=2, effective_batch_size=8, micro_batch_size=8, warmup_ratio=0.1
+)
+"""The abc preset's fine-tune (the coreset experiments' recipe)."""
+
+
+@dataclass
+class ValidateConfig:
+    """Retrain a fine-tuning recipe on random subsets of its data and measure attributions' LDS."""
+
+    out: tyro.conf.Positional[str]
+    """Experiment folder (every stage inside; rerun the same command to resume)."""
+    model: tyro.conf.OmitArgPrefixes[ModelConfig] = field(default_factory=ModelConfig)
+    data: tyro.conf.OmitArgPrefixes[DataConfig] = field(default_factory=DataConfig)
+    runtime: tyro.conf.OmitArgPrefixes[RuntimeConfig] = field(default_factory=RuntimeConfig)
+    recipe: tyro.conf.OmitArgPrefixes[TrainRecipe] = field(default_factory=TrainRecipe)
+    queries: tyro.conf.OmitArgPrefixes[QueryConfig] = field(default_factory=QueryConfig)
+    preset: Literal["none", "abc"] = "none"
+    """abc: assay-tiny fine-tuned on a pool of ABC tunes (every collection), held-out tunes as
+    queries, every method at bf16 and fp32 (overrides --model, --dataset, --query*, the recipe
+    and --methods; docs/attribution.md has its table)."""
+    pool_size: int = 300
+    """Training tunes in the abc preset's pool."""
+    query_size: int = 24
+    """Held-out tunes in the abc preset's query set."""
+    num_subsets: int = 32
+    """M: random subsets retrained (each its own fine-tune from the base model)."""
+    alpha: float = 0.5
+    """Fraction of the pool each subset keeps."""
+    subset_seed: int = 0
+    """Seed of the subsets (subset m depends on it and m only)."""
+    methods: tuple[str, ...] = ()
+    """Attribution methods computed here on the full run's model and validated: trackstar, cosine,
+    inner, influence, kfac, ekfac (none by default; the abc preset runs them all)."""
+    index_precisions: tuple[Literal["fp32", "bf16", "fp16"], ...] = ("fp32",)
+    """Precisions each method's index and queries are computed at (one LDS row per precision)."""
+    projection_dim: int = 16
+    """Projection width per side of the methods' indexes."""
+    damping: float = 0.1
+    """Damping of the influence methods, as a multiple of the mean eigenvalue (per module)."""
+    scores: tuple[str, ...] = ()
+    """Attribution results to validate: `assay score` runs made with --save_scores (over the same
+    pool and queries) or .npy matrices [Q, N] in the ground truth's order (OUT/ground_truth)."""
+    bootstrap: int = 1000
+    """Bootstrap resamples of the queries behind each LDS's confidence interval."""
+    token_batch_size: int = 4096
+    """Most tokens per batch for gradients and evaluation."""
+    overwrite: bool = False
+    """Redo a finished experiment in OUT from scratch."""
+
+    def __post_init__(self) -> None:
+        unknown = [m for m in self.methods if m not in METHODS]
+        if unknown:
+            raise AssayError(f"unknown method {unknown[0]!r}; choose from {', '.join(METHODS)}")
+        if self.num_subsets < 3:
+            raise AssayError(
+                f"--num_subsets must be >= 3 (a rank correlation needs points), got {self.num_subsets}"
+            )
+        if not 0.0 < self.alpha < 1.0:
+            raise AssayError(f"--alpha must be in (0, 1), got {self.alpha}")
+        if (
+            min(self.pool_size, self.query_size, self.projection_dim, self.token_batch_size, self.bootstrap)
+            < 1
+        ):
+            raise AssayError(
+                "--pool_size, --query_size, --projection_dim, --token_batch_size and --bootstrap must be >= 1"
+            )
+        if self.damping < 0:
+            raise AssayError(f"--damping must be >= 0, got {self.damping}")
+
+
+FREE = ("scores", "bootstrap", "threads", "methods", "index_precisions", "damping", "projection_dim")
+"""Settings that may change when rerunning a validation: they do not touch the ground truth."""
+
+
+def resolve(cfg: ValidateConfig, root: Path) -> ValidateConfig:
+    """The preset applied (its data files written once), or the config as given."""
+    if cfg.preset == "none":
+        return cfg
+    files = prepare_preset("lds", root / "data", cfg.pool_size, cfg.query_size, 0)
+    data = replace(
+        cfg.data, dataset=files["pool"], split="train", max_length=256, filter_column=None, filter_value=None
+    )
+    queries = QueryConfig(query_dataset=files["query"], query_split="train")
+    methods = cfg.methods or tuple(METHODS)
+    precisions = cfg.index_precisions if cfg.index_precisions != ("fp32",) else ("bf16", "fp32")
+    return replace(cfg, model=ModelConfig(model="assay-tiny"), data=data, queries=queries, recipe=ABC_RECIPE,
+                   methods=methods, index_precisions=precisions)  # fmt: skip
+
+
+def full_config(cfg: ValidateConfig, root: Path) -> FinetuneConfig:
+    """The recipe on the whole pool (the model every method attributes)."""
+    return FinetuneConfig(
+        out=str(root / "full"), model=cfg.model, data=cfg.data, runtime=cfg.runtime, recipe=cfg.recipe,
+        eval_split="", pool_loss=False, token_batch_size=cfg.token_batch_size, save_every=0,
+    )  # fmt: skip
+
+
+def ground_truth(cfg: ValidateConfig, root: Path) -> GroundTruth:
+    """Retrain on every subset (resumably, shared out over torchrun ranks), then assemble."""
+    folder = root / GROUND_TRUTH
+    if Distributed.current().broadcast_object((folder / "ground_truth.json").exists()):
+        return GroundTruth.load(folder)
+    _, policy = setup_runtime(cfg.runtime)
+    tokenizer = load_tokenizer(cfg.model)
+    _, pool = load_examples(cfg.data, tokenizer)
+    queries = load_queries(cfg.queries, cfg.data.max_length, tokenizer)
+    masks = subset_masks(len(pool), cfg.num_subsets, cfg.alpha, cfg.subset_seed)
+    setup = RetrainSetup(
+        full_config(cfg, root), pool, queries, tokenizer.pad_token_id, policy, cfg.token_batch_size
+    )
+    folder.mkdir(parents=True, exist_ok=True)
+    dist = Distributed.current()
+    jobs = [-1, *range(cfg.num_subsets)]  # -1: the full run
+    for job in dist.interleave(jobs):
+        if job == -1:
+            _full_run(setup, folder)
+        elif not job_file(folder, job).exists():
+            note(f"ground truth: subset {job + 1} of {cfg.num_subsets} ({int(masks[job].sum())} examples)")
+            run_subset(setup, masks[job], job, folder)
+    dist.barrier()
+    if dist.is_main:
+        full = np.asarray(read_json(folder / "full.json")["outputs"], dtype=np.float64)
+        outputs = collect_outputs(folder, cfg.num_subsets, len(queries.ids))
+        truth = GroundTruth(masks, outputs, pool.ids.astype(np.int64), list(queries.ids), queries.texts, full)
+        truth.save(
+            folder, {"alpha": cfg.alpha, "num_subsets": cfg.num_subsets, "subset_seed": cfg.subset_seed}
+        )
+    dist.barrier()
+    return GroundTruth.load(folder)
+
+
+def _full_run(setup: RetrainSetup, folder: Path) -> None:
+    """Fine-tune on the whole pool (alone in this process) and measure the queries under it."""
+    out = Path(setup.recipe_cfg.out)
+    with Distributed.alone():
+        if not (out / DONE_FILE).exists():
+            note("ground truth: the full run")
+            finetune(setup.recipe_cfg)
+        if not (folder / "full.json").exists():
+            model = load_model(ModelConfig(model=str(out / "model")), setup.policy)
+            write_json(folder / "full.json", {"outputs": query_losses(model, setup).tolist()})
+
+
+def compute_methods(cfg: ValidateConfig, root: Path, truth: GroundTruth) -> list[Path]:
+    """Every --methods × --index_precisions score matrix (each a resumable stage)."""
+    setup = MethodSetup(
+        root, ModelConfig(model=str(root / "full" / "model")), root / "full", cfg.data, cfg.queries,
+        cfg.runtime, cfg.projection_dim, cfg.token_batch_size, cfg.damping,
+    )  # fmt: skip
+    stages, paths = Stages(root), []
+    for precision in cfg.index_precisions:
+        for name in cfg.methods:
+            label = f"{name}-{precision}"
+            stages.run(f"methods/{label}", root / "methods" / label, compute_method, setup, name, precision,
+                       truth.ids, truth.query_ids)  # fmt: skip
+            paths.append(root / "methods" / f"{label}.npy")
+    return paths
+
+
+def validate(cfg: ValidateConfig) -> dict[str, Any]:
+    """Ground truth (made once), the methods' scores, and the LDS of each and of every --scores."""
+    dist = Distributed.current()
+    root = Path(cfg.out).resolve()
+    if (root / DONE_FILE).exists() and not cfg.overwrite and cfg.scores:
+        return dist.main_only(_score_only, cfg, root)
+    if cfg.preset == "none" and not cfg.queries.given:
+        raise AssayError("give the queries: --query_dataset DATASET (or --preset abc)")
+    root = dist.main_only(open_experiment, cfg.out, "validate", cfg, cfg.overwrite, FREE)
+    cfg = dist.main_only(resolve, cfg, root)
+    truth = ground_truth(cfg, root)
+    methods = dist.main_only(_alone, compute_methods, cfg, root, truth)  # small: rank 0 alone
+    result = dist.main_only(evaluate_all, root, truth, [*methods, *map(Path, cfg.scores)], cfg.bootstrap)
+    if dist.is_main:
+        finish_experiment(root)
+    return result
+
+
+def _alone(fn: Any, *args: Any) -> Any:
+    with Distributed.alone():
+        return fn(*args)
+
+
+def _score_only(cfg: ValidateConfig, root: Path) -> dict[str, Any]:
+    """A finished experiment: validate more score runs against its ground truth."""
+    note(f"validating against the ground truth in {root} (made with the settings in {root}/config.json)")
+    truth = GroundTruth.load(root / GROUND_TRUTH)
+    methods = sorted((root / "methods").glob("*.npy")) if (root / "methods").exists() else []
+    return evaluate_all(root, truth, [*methods, *map(Path, cfg.scores)], cfg.bootstrap)

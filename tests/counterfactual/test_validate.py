@@ -1,0 +1,135 @@
+"""`assay validate` on a tiny model: the ground truth is what `assay finetune --selection --ordered`
+measures, it resumes subset by subset, and score runs are validated (or refused) against it."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import assay.counterfactual.validate as validate_mod
+from assay.cli import main
+from assay.core.config import DataConfig, ModelConfig, QueryConfig, RuntimeConfig
+from assay.core.errors import AssayError
+from assay.counterfactual.ground_truth import GroundTruth, job_file
+from assay.counterfactual.validate import ValidateConfig, validate
+from assay.lm.data import load_examples
+from assay.lm.losses import evaluate_losses
+from assay.lm.models import load_model, load_tokenizer
+from assay.lm.queries import load_queries
+from assay.training.finetune import FinetuneConfig, finetune
+from assay.training.recipe import TrainRecipe
+from tests.conftest import write_word_texts
+
+RECIPE = TrainRecipe(learning_rate=3e-3, num_epochs=2, effective_batch_size=4, micro_batch_size=4)
+
+
+def _cfg(root: Path, model_dir: Path, **kw) -> ValidateConfig:
+    return ValidateConfig(
+        out=str(root / "lds"),
+        model=ModelConfig(model=str(model_dir)),
+        data=DataConfig(dataset=str(root / "pool.jsonl"), max_length=32),
+        runtime=RuntimeConfig(precision="fp32", threads=1, attention="eager"),
+        recipe=RECIPE,
+        queries=QueryConfig(query_dataset=str(root / "query.jsonl"), query_split="train"),
+        num_subsets=4,
+        token_batch_size=512,
+        **kw,
+    )
+
+
+@pytest.fixture(scope="module")
+def experiment(tmp_path_factory, tiny_model_dir):
+    root = tmp_path_factory.mktemp("validate")
+    write_word_texts(root / "pool.jsonl", 16, 10)
+    (root / "query.jsonl").write_text(
+        "".join(json.dumps({"text": t}) + "\n" for t in ("the folk tune", "my love"))
+    )
+    cfg = _cfg(root, tiny_model_dir, methods=("inner", "influence"))
+    result = validate(cfg)
+    return root, cfg, result
+
+
+def test_ground_truth_is_the_ordered_subset_finetune(experiment, tiny_model_dir):
+    """Subset m's outputs = the queries' losses after `finetune --selection S_m --ordered FULL`."""
+    root, cfg, _ = experiment
+    truth = GroundTruth.load(root / "lds" / "ground_truth")
+    assert truth.masks.shape == (4, 16) and truth.outputs.shape == (4, 2)
+    assert (truth.masks.sum(1) == 8).all() and truth.full_outputs is not None
+    m = 2
+    (root / "subset.json").write_text(json.dumps(truth.ids[truth.masks[m]].tolist()))
+    ft = FinetuneConfig(
+        out=str(root / "check"), model=cfg.model, data=cfg.data, runtime=cfg.runtime, recipe=RECIPE,
+        selection=str(root / "subset.json"), ordered=str(root / "lds" / "full"), eval_split="",
+        pool_loss=False, save_every=0,
+    )  # fmt: skip
+    finetune(ft)
+    tokenizer = load_tokenizer(cfg.model)
+    model = load_model(ModelConfig(model=str(root / "check" / "model")), _fp32())
+    queries = load_queries(cfg.queries, 32, tokenizer)
+    want = evaluate_losses(model, queries.examples, _fp32(), tokenizer.pad_token_id, 512)
+    np.testing.assert_allclose(truth.outputs[m], want, rtol=1e-5)
+    _, pool = load_examples(cfg.data, tokenizer)
+    assert truth.ids.tolist() == pool.ids.tolist()
+
+
+def _fp32():
+    from assay.core.precision import PrecisionPolicy
+
+    return PrecisionPolicy.resolve("fp32", "cpu")
+
+
+def test_methods_are_validated_and_the_table_written(experiment):
+    root, _, result = experiment
+    assert set(result["results"]) == {"inner-fp32", "influence-fp32"}
+    for r in result["results"].values():
+        assert len(r["per_query"]) == 2 and r["num_subsets"] == 4
+    assert (root / "lds" / "lds.md").exists() and (root / "lds" / "lds.png").exists()
+    assert json.loads((root / "lds" / "run.json").read_text())
+
+
+def test_a_lost_subset_is_redone_alone_and_gives_the_same_truth(experiment, monkeypatch, tiny_model_dir):
+    root, cfg, _ = experiment
+    before = GroundTruth.load(root / "lds" / "ground_truth")
+    (root / "lds" / "run.json").unlink()  # as if interrupted after the subsets, before the end
+    (root / "lds" / "ground_truth" / "ground_truth.json").unlink()
+    job_file(root / "lds" / "ground_truth", 1).unlink()
+    redone = []
+    real = validate_mod.run_subset
+    monkeypatch.setattr(
+        validate_mod, "run_subset", lambda s, mask, m, f: redone.append(m) or real(s, mask, m, f)
+    )
+    validate(cfg)
+    assert redone == [1]
+    after = GroundTruth.load(root / "lds" / "ground_truth")
+    np.testing.assert_array_equal(after.outputs, before.outputs)
+
+
+def test_score_runs_are_checked_against_the_ground_truth(experiment, capsys):
+    root, cfg, _ = experiment
+    index = root / "lds" / "index" / "raw-fp32"
+    good, bare = root / "score-good", root / "score-bare"
+    query = ["--query_dataset", str(root / "query.jsonl"), "--query_split", "train"]
+    assert main(["score", str(good), "--index", str(index), *query, "--mode", "cosine", "--save_scores"]) == 0
+    assert main(["score", str(bare), "--index", str(index), *query, "--mode", "cosine"]) == 0
+    assert main(["validate", cfg.out, "--scores", str(good)]) == 0
+    result = json.loads((root / "lds" / "lds.json").read_text())["results"]
+    assert "score-good" in result and "inner-fp32" in result  # merged with the methods'
+    assert main(["validate", cfg.out, "--scores", str(bare)]) == 2
+    assert "--save_scores" in capsys.readouterr().err
+    other = root / "score-other"
+    one = ["--query_text", "a folk tune"]
+    assert main(["score", str(other), "--index", str(index), *one, "--save_scores"]) == 0
+    assert main(["validate", cfg.out, "--scores", str(other)]) == 2
+    assert "other queries" in capsys.readouterr().err
+
+
+def test_another_recipe_is_refused_by_name(experiment, tiny_model_dir):
+    root, cfg, _ = experiment
+    (root / "lds" / "run.json").unlink(missing_ok=True)
+    changed = replace(cfg, recipe=replace(RECIPE, learning_rate=1e-2))
+    with pytest.raises(AssayError, match="--learning_rate"):
+        validate(changed)
