@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from assay.attribution.api import collect_gradients, score
+from assay.attribution.options import ScoreOptions
 from assay.core.errors import AssayError
 
 
@@ -47,11 +48,11 @@ def test_planted_near_duplicate_is_top_proponent(setup):
     assert train.rows.shape == (200, 3 * 64) and queries.rows.shape == (40, 3 * 64)
     assert all(p.requires_grad for p in model.parameters())  # restored after collection
     for mode in ("trackstar", "cosine"):  # influence is unnormalised: big gradients can outrank copies
-        result = score(queries, train, mode=mode, top_k=5)
+        result = score(queries, train, ScoreOptions(mode=mode, top_k=5))
         assert result.scores.shape == (40, 200)
         for q, row in planted.items():
             assert int(result.top.top_rows[q, 0]) == row, (mode, q)
-    ts = score(queries, train, mode="trackstar")
+    ts = score(queries, train, ScoreOptions(mode="trackstar"))
     assert ts.scores[list(planted), list(planted.values())].min() > 0.99  # cosine of near-copies
 
 
@@ -71,9 +72,9 @@ def test_aggregates_and_mismatch(setup):
     model, tx, ty, qx, qy, _ = setup
     train = collect_gradients(model, _batches(tx, ty), _loss, projection_dim=4)
     queries = collect_gradients(model, _batches(qx[:5], qy[:5]), _loss, projection_dim=4)
-    full = score(queries, train, mode="trackstar").scores
-    mean = score(queries, train, mode="trackstar", aggregate="mean").scores
-    top = score(queries, train, mode="trackstar", aggregate="max").scores
+    full = score(queries, train, ScoreOptions(mode="trackstar")).scores
+    mean = score(queries, train, ScoreOptions(mode="trackstar", aggregate="mean")).scores
+    top = score(queries, train, ScoreOptions(mode="trackstar", aggregate="max")).scores
     torch.testing.assert_close(mean[0], full.mean(0), rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(top[0], full.max(0).values, rtol=1e-4, atol=1e-6)
     other = collect_gradients(model, _batches(qx[:5], qy[:5]), _loss, projection_dim=4, seed=1)

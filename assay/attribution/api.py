@@ -2,7 +2,7 @@
 
     grads = collect_gradients(model, train_batches, loss_fn, projection_dim=16)
     queries = collect_gradients(model, query_batches, loss_fn, projection_dim=16)
-    result = score(queries, grads, mode="trackstar")   # result.scores [Q, N], result.top
+    result = score(queries, grads, ScoreOptions(mode="trackstar"))   # result.scores [Q, N], result.top
 
 `loss_fn(model, batch) -> [B]` returns one scalar per example (e.g. an unreduced cross-entropy
 of a classifier); batches are dicts of tensors. The same seeded projection is used for both
@@ -19,7 +19,8 @@ from torch import nn
 
 from assay.attribution.collector import GradientCollector, Objective, linear_modules
 from assay.attribution.kernel import TensorRows, TopRows, plan_queries, score_rows
-from assay.attribution.precondition import MIX_FRACTION, Whitening, build_whitening, second_moment_sums
+from assay.attribution.options import ScoreOptions
+from assay.attribution.precondition import Whitening, build_whitening, second_moment_sums
 from assay.attribution.projection import Projector
 from assay.core.errors import AssayError
 from assay.core.precision import PrecisionPolicy
@@ -73,34 +74,27 @@ def collect_gradients(
     return Gradients(torch.cat(parts), slices, projection_dim, seed)
 
 
-def score(
-    queries: Gradients,
-    train: Gradients,
-    mode: str = "trackstar",
-    aggregate: str = "none",
-    top_k: int = 10,
-    mix: float | None = None,
-    damping: float = 0.1,
-    mix_fraction: float = MIX_FRACTION,
-) -> Scores:
-    """Score every train row against the queries (see docs/attribution.md for the modes).
+def score(queries: Gradients, train: Gradients, options: ScoreOptions | None = None) -> Scores:
+    """Score every train row against the queries (the modes are `assay score`'s; docs/attribution.md).
 
-    trackstar/influence use R_train estimated from all train rows, mixed with the queries'.
+    trackstar and influence use R_train estimated from all train rows (mixed with the queries'
+    statistics in trackstar mode). `options.search` and the caching options do not apply here.
     """
+    o = options or ScoreOptions()
     if queries.modules != train.modules or (queries.projection_dim, queries.seed) != (
         train.projection_dim,
         train.seed,
     ):
         raise AssayError("queries and train gradients were collected with different modules or projection")
     whitening = None
-    if mode in ("trackstar", "influence"):
+    if o.mode in ("trackstar", "influence"):
         sums = second_moment_sums(train.rows, train.modules)
-        mix = (0.0 if mode == "influence" else None) if mix is None else mix
+        mix = (0.0 if o.mode == "influence" else None) if o.mix is None else o.mix
         whitening = build_whitening(
-            sums, train.rows.shape[0], queries.rows, train.modules, mix, damping, mix_fraction
+            sums, train.rows.shape[0], queries.rows, train.modules, mix, o.damping, o.mix_fraction
         )
-    plan = plan_queries(queries.rows, mode, aggregate, whitening)
-    columns = 1 if aggregate != "none" else queries.rows.shape[0]
+    plan = plan_queries(queries.rows, o.mode, o.aggregate, whitening)
+    columns = 1 if o.aggregate != "none" else queries.rows.shape[0]
     out = torch.zeros(columns, train.rows.shape[0])
-    top = score_rows(TensorRows(train.rows), plan, top_k, scores_out=out.numpy())
+    top = score_rows(TensorRows(train.rows), plan, o.top_k, scores_out=out.numpy())
     return Scores(out, top, whitening)

@@ -27,8 +27,8 @@ from assay.core.config import DataConfig, ModelConfig, QueryConfig, RuntimeConfi
 from assay.core.distributed import Distributed
 from assay.core.errors import AssayError
 from assay.core.experiment import Stages, finish_experiment, open_experiment
-from assay.selection.filter import FilterConfig, select
 from assay.lm.presets import prepare_preset
+from assay.selection.filter import FilterConfig, select
 from assay.selection.tables import write_report
 from assay.training.finetune import FinetuneConfig, finetune
 from assay.training.recipe import TrainRecipe

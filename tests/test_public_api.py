@@ -1,0 +1,19 @@
+"""The public API: every advertised name resolves, and `import assay` loads no heavy library."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import assay
+
+
+def test_every_public_name_resolves():
+    for name in assay.__all__:
+        assert getattr(assay, name) is not None, name
+
+
+def test_import_assay_is_light():
+    code = "import sys, assay; print(sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
