@@ -68,8 +68,9 @@ def test_loss_keeps_the_highest_and_lowest_losses(pool, tiny_model_dir, index):
 @pytest.mark.parametrize("strategy", ["gradcos", "trackstar"])
 def test_gradient_strategies_find_the_known_answer(pool, tiny_model_dir, index, strategy):
     # query = prose: the 4 prose lines of the pool (ids 16..19) must rank first
+    queries = QueryConfig(query_dataset=pool["query"], query_split="train")
     select(cfg(pool, tiny_model_dir, f"{strategy}_q", strategy=strategy, num_examples=4, index=index,
-                   query="eval", queries=QueryConfig(query_dataset=pool["query"], query_split="train")))  # fmt: skip
+               query="eval", queries=queries))  # fmt: skip
     assert sorted(read_selection(pool["root"] / f"{strategy}_q")) == [16, 17, 18, 19]
     # query = the pool itself: the most typical examples are tunes (16 of 20), the least are prose
     select(cfg(pool, tiny_model_dir, f"{strategy}_s", strategy=strategy, num_examples=4, index=index))

@@ -1,9 +1,11 @@
-"""`assay report`: real run folders (build, score, eval, finetune, sae train on a tiny model), a
-coreset experiment in its documented layout, a demo container, rendered into one page and
-checked in a real headless Chromium (no console errors, no network, the numbers in the DOM)."""
+"""`assay report`: real run folders (build, score, eval, finetune, sae train and a latent score on a
+tiny model), a coreset experiment in its documented layout, a demo container, rendered into one
+page and checked in a real headless Chromium (no console errors, no network, the numbers in the
+DOM). The report reads run folders only: no model, tokenizer or SAE is loaded while it renders."""
 
 from __future__ import annotations
 
+import html
 import json
 import re
 import shutil
@@ -14,6 +16,8 @@ import numpy as np
 import pytest
 
 from assay.cli import main
+from assay.commands.score import ScoreConfig, pick_latent
+from assay.core.config import QueryConfig
 from assay.core.errors import AssayError
 from assay.report import build_report
 from assay.report.browser import Browser, find_chromium
@@ -31,7 +35,7 @@ TEXTS = [
 SAE_ARGS = (
     "--hookpoint model.layers.0 --training_tokens 2048 --batch_tokens 256 --context_length 32 "
     "--buffer_batches 2 --lm_batch_contexts 4 --metrics_every 2 --eval_every 4 --eval_contexts 2 "
-    "--expansion_factor 2 --k 4 --eval_split train --precision fp32"
+    "--expansion_factor 2 --k 4 --eval_split train --precision fp32 --browser_latents 6 --browser_examples 18"
 ).split()
 
 
@@ -106,27 +110,25 @@ def runs(tmp_path_factory, tiny_model_dir) -> dict[str, Path]:
     (demo / "losses.json").write_text(json.dumps({"shakespeare": 4.4123, "abc-tunes": 2.1357}))
     for name in ("idx", "score", "sae", "coreset"):
         shutil.copytree(out[name], demo / name)
-    # a latent-attribution score run (`assay score --query_sae SAE --latent L`): the report reads
-    # those two settings from config.json to label the run and shade where the latent fires
-    latent = shutil.copytree(out["score"], demo / "score-latent")
-    record = json.loads((latent / "config.json").read_text())
-    record["config"].update(query_sae=str(demo / "sae"), latent=1)
-    (latent / "config.json").write_text(json.dumps(record))
+    # a latent-attribution score run (`assay score --query_sae SAE --latent L`) on the demo's own SAE:
+    # L is the latent most active on the query, so it fires there
+    latent_query = ["--query_text", TEXTS[1]]
+    cfg = ScoreConfig(
+        out=str(demo / "score-latent"), index=str(demo / "idx"), queries=QueryConfig(query_text=(TEXTS[1],))
+    )
+    latent = pick_latent(cfg, str(demo / "sae"))
+    score = ["score", str(demo / "score-latent"), "--index", str(demo / "idx"), *latent_query]
+    assert main([*score, "--query_sae", str(demo / "sae"), "--latent", str(latent)]) == 0
     out["demo"] = demo
     out["data"] = data
+    out["latent"] = latent  # type: ignore[assignment]
     return out
 
 
 @pytest.fixture(scope="module")
 def page(runs, tmp_path_factory) -> tuple[Path, str]:
     html_path = tmp_path_factory.mktemp("report") / "report.html"
-    build_report(
-        [runs["demo"], runs["eval"], runs["ft"]],
-        html_path,
-        "assay demo report",
-        features=6,
-        feature_examples=18,
-    )
+    build_report([runs["demo"], runs["eval"], runs["ft"]], html_path, "assay demo report", features=6)
     return html_path, html_path.read_text()
 
 
@@ -138,15 +140,20 @@ def test_every_kind_has_its_section_and_numbers(runs, page):
     _, text = page
     kinds = re.findall(r'<section class="run" id="[^"]*" data-kind="([^"]*)"', text)
     assert kinds == ["demo", "build", "score", "score", "coreset", "sae train", "eval", "finetune"]
-    assert "Proponents (a step on them raises the latent)" in text and "Where latent 1 fires" in text
+    latent = runs["latent"]
+    assert "Proponents (a step on them raises the latent)" in text and f"Where latent {latent} fires" in text
     # linked both ways: the score section to the latent's card, the card (pinned first) back
-    assert 'href="#sae-latent-1"' in text and 'id="sae-latent-1"' in text
+    assert f'href="#sae-latent-{latent}"' in text and f'id="sae-latent-{latent}"' in text
     assert 'href="#score-score-latent">attributed to training data' in text
+    cards = re.findall(r'<div class="feature searchable" id="sae-latent-(\d+)"', text)
+    saved = [f["latent"] for f in json.loads((runs["sae"] / "features.json").read_text())["features"]]
+    assert cards == [str(latent)] + [str(v) for v in saved if v != latent][:6]  # pinned first
     index = json.loads((runs["idx"] / "index.json").read_text())
     assert f'>{index["num_examples"]}</div><div class="tile-label">examples' in text
     first = _top(runs["score"])
     pid, score = first["proponents"][0]
     assert f"{score:.4f}" in text and f">{pid}</td>" in text  # the top proponent, with its score
+    assert html.escape(TEXTS[pid % len(TEXTS)][:20]) in text  # ... and its text, from texts.jsonl
     eval_summary = json.loads((runs["eval"] / "summary.json").read_text())
     assert f"{eval_summary['mean_loss']:.3f}" in text
     sae_summary = json.loads((runs["sae"] / "summary.json").read_text())
@@ -169,24 +176,68 @@ def test_page_is_self_contained_and_escaped(page):
 
 
 def test_degrades_gracefully(runs, tmp_path):
-    """Missing optional files and unfinished runs give notes, not failures."""
-    idx, score, sae = (shutil.copytree(runs[k], tmp_path / k) for k in ("idx", "score", "sae"))
+    """Missing optional files and unfinished runs give notes naming the command that writes them."""
+    idx, score, texts, sae = (
+        shutil.copytree(runs[k], tmp_path / name)
+        for k, name in (("idx", "idx"), ("score", "score"), ("score", "texts"), ("sae", "sae"))
+    )
+    latent = shutil.copytree(runs["demo"] / "score-latent", tmp_path / "latent")
     (idx / "losses.npy").unlink()
     (score / "top.jsonl").unlink()
+    (texts / "texts.jsonl").unlink()
+    (latent / "latent.json").unlink()
     (sae / "metrics.jsonl").unlink()
-    (sae / "sae_weights.safetensors").unlink()
+    (sae / "features.json").unlink()
     (sae / "run.json").unlink()
     sae.rename(tmp_path / "sae.part")
-    out = build_report([idx, score, tmp_path / "sae"], tmp_path / "r.html", features=4, feature_examples=4)
-    text = out.read_text()
+    dirs = [idx, score, texts, latent, tmp_path / "sae"]
+    text = build_report(dirs, tmp_path / "r.html", features=4, feature_examples=4).read_text()
     assert "No loss distribution" in text and "No scores" in text and "No training curves" in text
-    assert "is unfinished" in text and "Feature browser unavailable" in text
+    assert "is unfinished" in text and "no features.json. `assay sae train` writes it" in text
+    assert "no texts.jsonl (written by `assay score`" in text and "(text unavailable)" in text
+    assert "no latent.json (written by `assay score --query_sae SAE --latent L`)" in text
     coreset = tmp_path / "coreset"
     make_coreset(coreset)
     (coreset / "results.json").unlink()
     (coreset / "run.json").unlink()
     text = build_report([coreset], tmp_path / "c.html").read_text()
     assert "No results table" in text and "Held-out loss" in text
+
+
+def test_report_reads_run_folders_only(runs, tmp_path, monkeypatch):
+    """With every way to load a model, tokenizer or SAE, or to read a layer, made to fail, the page
+    still shows the browser from features.json and where the latent fires from latent.json; the
+    SAE's weights are not even needed. In a fresh interpreter the report imports no torch."""
+    import subprocess
+    import sys
+
+    import assay.lm.hooks
+    import assay.lm.models
+    import assay.sae.saelens_format
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the report must not load a model, tokenizer or SAE")
+
+    for module, name in (
+        (assay.lm.models, "load_model"), (assay.lm.models, "load_tokenizer"),
+        (assay.sae.saelens_format, "load_sae"), (assay.lm.hooks, "capture_output"),
+    ):  # fmt: skip
+        monkeypatch.setattr(module, name, refuse)
+    demo = shutil.copytree(runs["demo"], tmp_path / "demo")
+    (demo / "sae" / "sae_weights.safetensors").unlink()
+    text = build_report([demo], tmp_path / "r.html", features=3, feature_examples=2).read_text()
+    latent = runs["latent"]
+    assert f'id="sae-latent-{latent}"' in text and f"Where latent {latent} fires" in text
+    assert len(re.findall(r'<div class="feature searchable"', text)) in (3, 4)  # 3, and the pinned one
+    assert max(len(re.findall(r'<div class="ctx"', c)) for c in text.split('class="feature searchable"')) <= 2
+    assert "could not be rendered" not in text and "unreadable" not in text
+    code = (
+        "import sys; from pathlib import Path; from assay.report import build_report; "
+        f"build_report([Path({str(demo)!r})], Path({str(tmp_path / 'fresh.html')!r})); "
+        "print(sorted(m for m in ('torch', 'transformers', 'safetensors') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip().splitlines()[-1] == "[]"
 
 
 def test_cli_and_user_errors(runs, tmp_path, capsys):
@@ -212,7 +263,7 @@ needs_browser = pytest.mark.skipif(
 
 
 @needs_browser
-def test_in_a_real_browser(page, tmp_path):
+def test_in_a_real_browser(runs, page, tmp_path):
     """Loads with no console errors or network requests; sections, numbers and search work."""
     html_path, _ = page
     with Browser(chromium, width=1280, height=2000) as browser:
@@ -223,12 +274,16 @@ def test_in_a_real_browser(page, tmp_path):
         assert kinds == ["demo", "build", "score", "score", "coreset", "sae train", "eval", "finetune"]
         assert browser.evaluate("document.querySelectorAll('nav.toc a').length") >= 8
         assert browser.evaluate("document.querySelectorAll('svg').length") >= 10
-        assert browser.evaluate("document.querySelectorAll('.feature').length") == 7  # 6 + the attributed one
-        card = "document.getElementById('sae-latent-1')"
+        saved = [f["latent"] for f in json.loads((runs["sae"] / "features.json").read_text())["features"]]
+        shown = 1 + len([v for v in saved if v != runs["latent"]][:6])  # the attributed one, then 6
+        assert browser.evaluate("document.querySelectorAll('.feature').length") == shown
+        card = f"document.getElementById('sae-latent-{runs['latent']}')"
         assert (
             browser.evaluate(f"{card}.querySelector('a.badge').getAttribute('href')") == "#score-score-latent"
         )
-        assert browser.evaluate("document.querySelector('a[href=\"#sae-latent-1\"]') !== null")
+        assert browser.evaluate(
+            f"document.querySelector('a[href=\"#sae-latent-{runs['latent']}\"]') !== null"
+        )
         overlap = browser.evaluate("document.body.innerText.includes('96.2%')")
         assert overlap
         # search: a query that only the nasty ad-hoc query's card contains
@@ -248,52 +303,49 @@ def test_in_a_real_browser(page, tmp_path):
     assert (width, height) == (1280, 2000)
 
 
-@pytest.mark.parametrize("dead_head", [False, True])
-def test_feature_browser_against_a_dense_reference(dead_head):
-    """Densities, peaks, top contexts and per-token activations equal those of each text encoded
-    alone (no padding); with the lowest latents dead the second pass gives the same answers."""
+def test_latent_json_against_a_dense_reference(runs, tiny_model_dir):
+    """latent.json (what `assay score --query_sae --latent` writes for the report): the query's
+    tokens and the latent's activation on each equal the SAE applied to the model's hidden state of
+    that query alone; the latent's browser record is the SAE run's own (features.json's, or
+    computed on the same held-out texts)."""
     import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from assay.bridge.latent import HookedSae
-    from assay.report.features import TOP_CONTEXTS, browse
-    from assay.sae.config import SaeArchConfig
-    from assay.sae.model import SparseAutoencoder
-    from tests.conftest import make_llama, make_tokenizer
+    from assay.bridge.latent import load_hooked_sae
+    from assay.core.runs import config_from_dict, load_run_config
+    from assay.sae.config import SaeTrainConfig
+    from assay.sae.features import FeatureBrowser, browse_sae_run, token_text
 
-    tok = make_tokenizer()
-    model = make_llama(len(tok), seed=0).eval()
-    g = torch.Generator().manual_seed(1)
-    w = torch.randn(32, 64, generator=g) / 32**0.5
-    b_enc = torch.zeros(64)
-    if dead_head:
-        b_enc[:20] = -1e3  # latents 0..19 never fire: the first 4 live ones lie past the kept head
-    sae = HookedSae(SparseAutoencoder(32, 64, SaeArchConfig(architecture="topk", k=6)), "model.layers.0")
+    latent, sae_dir = runs["latent"], runs["demo"] / "sae"
+    saved = json.loads((runs["demo"] / "score-latent" / "latent.json").read_text())
+    assert saved["latent"] == latent and saved["hookpoint"] == "model.layers.0" and len(saved["queries"]) == 1
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    ids = tok(TEXTS[1])["input_ids"] + [tok.eos_token_id]  # as assay tokenizes a query
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     with torch.no_grad():
-        for name, value in (("W_enc", w), ("b_enc", b_enc), ("W_dec", w.T), ("b_dec", torch.zeros(32))):
-            getattr(sae.sae, name).copy_(value)
-    rng = np.random.default_rng(0)
-    seqs = [rng.integers(1, len(tok), size=n).astype(np.int32) for n in (9, 17, 5, 12, 14)]
-    fb = browse(model, tok, sae, seqs, [10, 11, 12, 13, 14], 4, torch.device("cpu"), batch=2)
-    with torch.no_grad():
-        hidden = [
-            model(input_ids=torch.from_numpy(s[None].astype(np.int64)), output_hidden_states=True)
-            for s in seqs
-        ]
-        dense = [sae.sae.encode(out.hidden_states[1][0]).numpy() for out in hidden]  # [T_i, 64] each
-    allz = np.concatenate(dense)  # [tokens, 64]
-    density = (allz > 0).mean(0)
-    np.testing.assert_allclose(fb.density, density, rtol=1e-6)
-    live = np.flatnonzero(density > 0)[:4]
-    assert [f.latent for f in fb.features] == list(live) and (not dead_head or live[0] >= 20)
-    for f in fb.features:
-        peaks = np.array([z[:, f.latent].max() for z in dense])
-        order = [i for i in np.argsort(-peaks, kind="stable")[:TOP_CONTEXTS] if peaks[i] > 0]
-        assert [c.example for c in f.contexts] == [10 + i for i in order]
-        for c, i in zip(f.contexts, order):
-            window = dense[i][:, f.latent]
-            lo = max(0, int(window.argmax()) - 24)
-            np.testing.assert_allclose(c.acts, window[lo : lo + len(c.acts)], rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(
-            sorted(f.values), sorted(allz[:, f.latent][allz[:, f.latent] > 0]), rtol=1e-5
-        )
-        assert f.promoted and f.suppressed and f.promoted[0][1] >= f.promoted[-1][1]
+        hidden = model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states[1][0]
+        dense = load_hooked_sae(sae_dir).sae.encode(hidden)[:, latent].numpy()  # [T]
+    query = saved["queries"][0]
+    assert query["tokens"] == [token_text(tok, t, {}) for t in ids]
+    np.testing.assert_allclose(query["acts"], dense, rtol=1e-4, atol=1e-5)
+    assert dense.max() > 0  # the latent fires on the query (it was picked as the most active)
+    browser = FeatureBrowser.load(sae_dir / "features.json")
+    own = browser.feature(latent)
+    if own is None:  # not in the browser's sample: computed on the same held-out texts
+        cfg = config_from_dict(SaeTrainConfig, load_run_config(sae_dir)["config"])
+        own = browse_sae_run(cfg, sae_dir, 0, browser.source["max_texts"], "cpu", first=(latent,)).features[0]
+    assert saved["feature"]["latent"] == latent and saved["feature"]["contexts"] == own.to_json()["contexts"]
+    assert saved["feature"]["histogram"] == own.histogram and saved["feature_sample"]["texts"] == 18
+
+
+def test_score_writes_the_training_texts_it_lists(runs):
+    """texts.jsonl (what the report shows beside each score): exactly the ids top.jsonl lists, each
+    with its summed loss from the index and its text from the dataset row of that id."""
+    rows = [json.loads(line) for line in (runs["score"] / "texts.jsonl").read_text().splitlines()]
+    listed = {pid for r in (runs["score"] / "top.jsonl").read_text().splitlines()
+              for pid, _ in json.loads(r)["proponents"] + json.loads(r)["opponents"]}  # fmt: skip
+    assert sorted(r["id"] for r in rows) == sorted(listed)
+    ids, losses = np.load(runs["idx"] / "ids.npy"), np.load(runs["idx"] / "losses.npy")
+    for r in rows:
+        assert r["text"] == (TEXTS * 3)[r["id"]]
+        np.testing.assert_allclose(r["loss"], losses[np.flatnonzero(ids == r["id"])[0]], rtol=1e-6)

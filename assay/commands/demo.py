@@ -20,6 +20,7 @@ import tyro
 
 from assay.attribution.build import BuildConfig, build_index
 from assay.commands.eval import run as run_eval
+from assay.commands.sae_train import ensure_feature_browser
 from assay.commands.score import latent_demo, score_demo
 from assay.core.config import DataConfig, ModelConfig, RuntimeConfig
 from assay.core.console import note, say
@@ -117,6 +118,7 @@ def run(cfg: DemoConfig) -> None:
                 out, model=cfg.model, precision=cfg.precision, training_tokens=cfg.sae_tokens
             ),
         )
+        ensure_feature_browser(root / "sae")  # features.json; nothing when already there
         timings["latent"] = _stage(
             root / "latent-attribution",
             "attribute the SAE latent most active on those tunes to the training tunes",

@@ -13,7 +13,7 @@ Config = ReportConfig
 def run(cfg: ReportConfig) -> Path:
     out = build_report(
         [Path(r) for r in cfg.runs], Path(cfg.out), cfg.title,
-        features=cfg.features, feature_examples=cfg.feature_examples, device=cfg.device,
+        features=cfg.features, feature_examples=cfg.feature_examples,
     )  # fmt: skip
     size = out.stat().st_size
     say(f"report: {out} ({size / 1024:,.0f} KB); open it in a browser (no server needed)")

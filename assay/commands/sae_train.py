@@ -1,9 +1,101 @@
-"""`assay sae train`: a sparse autoencoder on a model's activations at one module."""
+"""`assay sae train`: a sparse autoencoder on a model's activations at one module, then its
+feature browser (OUT/features.json, what `assay report` shows).
+
+The command's config extends the library's `SaeTrainConfig` by the two browser options (a
+subclass, not a nested field: the run folder's config.json is then the command's own config,
+so `assay replay OUT` rebuilds it as it is, browser options included).
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from assay.core.console import note, say
+from assay.core.distributed import Distributed
+from assay.core.errors import AssayError
+from assay.core.runs import DONE_FILE, config_from_dict, config_to_dict, load_run_config, read_json
 from assay.sae.config import SaeTrainConfig
+from assay.sae.features import FEATURES_FILE, browse_sae_run
 from assay.sae.train import run_sae_train
 
-Config = SaeTrainConfig
-run = run_sae_train
+
+@dataclass
+class SaeTrainCommandConfig(SaeTrainConfig):
+    """Train a sparse autoencoder on a model's activations at one module, then its feature browser."""
+
+    browser_latents: int = 32
+    """Latents in the feature browser written to OUT/features.json: the first live ones by index
+    (an unbiased sample); 0 writes no browser."""
+    browser_examples: int = 200
+    """Held-out texts (--eval_split of --dataset, each cut to --context_length) read to find each
+    browser latent's top contexts and every latent's density."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.browser_latents < 0 or self.browser_examples < 1:
+            raise AssayError("--browser_latents must be >= 0 and --browser_examples positive")
+
+
+def write_feature_browser(cfg: SaeTrainConfig, latents: int = 32, examples: int = 200) -> Path | None:
+    """Compute the browser of the finished SAE run in cfg.out and write OUT/features.json (rank 0).
+
+    The SAE is trained and saved whatever happens here: a browser that cannot be made (e.g. the
+    held-out split does not exist) is a note, and the report says the run has no features.json.
+    """
+    out = Path(cfg.out)
+    if latents == 0 or not Distributed.current().is_main:
+        return None
+    try:
+        browser = browse_sae_run(cfg, out, latents, examples, cfg.runtime.device)
+    except AssayError as e:
+        note(f"feature browser not written ({e}); the SAE itself is saved in {out}")
+        return None
+    browser.save(out / FEATURES_FILE)
+    live = int((browser.fired > 0).sum())
+    say(
+        f"feature browser: {len(browser.features)} latents on {browser.examples} held-out texts "
+        f"({live:,} of {len(browser.fired):,} latents fired) in {out / FEATURES_FILE}"
+    )
+    return out / FEATURES_FILE
+
+
+def ensure_feature_browser(sae_dir: Path | str, latents: int = 32, examples: int = 200) -> Path | None:
+    """Write SAE_DIR/features.json for a finished `assay sae train` run that has none (e.g. the
+    demo's SAE stage, which calls the library); a run that has one is left as it is."""
+    out = Path(sae_dir)
+    if (out / FEATURES_FILE).exists():
+        return out / FEATURES_FILE
+    saved = load_run_config(out)
+    if saved.get("command") != "sae train" or not (out / DONE_FILE).exists():
+        raise AssayError(f"{out} is not a finished `assay sae train` run")
+    return write_feature_browser(config_from_dict(SaeTrainConfig, saved["config"]), latents, examples)
+
+
+def _browser_pending(cfg: SaeTrainCommandConfig) -> bool:
+    """A finished run of this very config whose browser was never written (interrupted after the
+    SAE was saved): rerunning the command writes the browser alone."""
+    out = Path(cfg.out)
+    if cfg.overwrite or cfg.browser_latents == 0 or (out / FEATURES_FILE).exists():
+        return False
+    if not (out / DONE_FILE).exists():
+        return False
+    saved = dict(load_run_config(out).get("config") or {})
+    wanted = config_to_dict(cfg)
+    saved.pop("overwrite", None), wanted.pop("overwrite", None)
+    return saved == wanted
+
+
+def run(cfg: SaeTrainCommandConfig) -> dict[str, Any]:
+    """Train (the library's `run_sae_train`: writes OUT and prints the summary), then the browser."""
+    if _browser_pending(cfg):
+        note(f"{cfg.out} holds this finished run without its feature browser: writing the browser only")
+        summary: dict[str, Any] = read_json(Path(cfg.out) / "summary.json")
+    else:
+        summary = run_sae_train(cfg)
+    write_feature_browser(cfg, cfg.browser_latents, cfg.browser_examples)
+    return summary
+
+
+Config = SaeTrainCommandConfig

@@ -1,7 +1,11 @@
 """`assay score`: attribute queries to the training examples of a gradient index.
 
 OUT receives `top.jsonl` (proponents and opponents per query or aggregate), `queries.jsonl`,
-`summary.json` and, with --save_scores, every score: `scores.npy` [A, N] float32.
+`texts.jsonl` (id, summed loss and text of the training examples those list, for the first
+REPORT_RECORDS records: what `assay report` shows), `summary.json` and, with --save_scores,
+every score: `scores.npy` [A, N] float32. With --query_sae/--latent also `latent.json`: each
+query's tokens with the latent's activation on them, and the latent's feature-browser record on
+the SAE run's held-out texts (so the report runs no model).
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -26,14 +31,30 @@ from assay.attribution.score import (
     top_records,
     train_texts,
 )
-from assay.bridge.latent import latent_objective, load_hooked_sae, most_active_latent, silent_queries
+from assay.bridge.latent import (
+    HookedSae,
+    latent_objective,
+    load_hooked_sae,
+    most_active_latent,
+    silent_queries,
+)
 from assay.core.config import QueryConfig
-from assay.core.console import say
+from assay.core.console import note, say
 from assay.core.distributed import Distributed
 from assay.core.errors import AssayError
-from assay.core.runs import run_folder, write_json, write_jsonl
+from assay.core.runs import DONE_FILE, config_from_dict, load_run_config, run_folder, write_json, write_jsonl
+from assay.lm.data import collate, token_batches
 from assay.lm.lean import keep_compute_casts
 from assay.lm.queries import Queries, load_queries
+from assay.sae.config import SaeTrainConfig
+from assay.sae.features import FEATURES_FILE, FeatureBrowser, browse_sae_run, token_text
+
+TEXTS_FILE = "texts.jsonl"
+LATENT_FILE = "latent.json"
+REPORT_RECORDS = 100
+"""Records of top.jsonl whose training examples texts.jsonl holds (the report shows as many)."""
+BROWSER_TEXTS = 200
+"""Held-out texts for a latent's browser record when its SAE run has no features.json to match."""
 
 
 @dataclass
@@ -127,6 +148,9 @@ def run_score(cfg: ScoreConfig) -> dict[str, Any]:
         write_jsonl(
             run.path / "queries.jsonl", [{"query": q, "text": t} for q, t in zip(queries.ids, queries.texts)]
         )
+        texts = write_train_texts(run.path / TEXTS_FILE, index, records, cfg.show)
+        if cfg.query_sae is not None:
+            write_json(run.path / LATENT_FILE, latent_record(cfg, setup, queries))
         summary = {
             "index": str(index.path),
             "mode": options.mode,
@@ -141,9 +165,24 @@ def run_score(cfg: ScoreConfig) -> dict[str, Any]:
             "rows_per_s": len(index) / max(seconds, 1e-9),
         }
         write_json(run.path / "summary.json", summary)
-    print_table(index, records, dict(zip(queries.ids, queries.texts)), cfg.show)
+    print_table(records, dict(zip(queries.ids, queries.texts)), texts, cfg.show)
     say(f"results in {cfg.out}/ (top.jsonl, queries.jsonl{', scores.npy' if cfg.save_scores else ''})")
     return summary
+
+
+def write_train_texts(path: Path, index: GradientIndex, records: list[dict], show: int) -> dict[int, str]:
+    """Write {id, loss, text} of every training example the first REPORT_RECORDS records list (text
+    null when the index's dataset can no longer be loaded); returns those texts and the texts of
+    the examples `print_table` shows, read in one go."""
+    listed = {int(pid) for r in records[:REPORT_RECORDS] for pid, _ in r["proponents"] + r["opponents"]}
+    printed = {int(pid) for r in records for pid, _ in r["proponents"][:show] + r["opponents"][:1]}
+    texts = train_texts(index, listed | printed)
+    ids = np.asarray(index.ids)  # [N]
+    rows_of = np.flatnonzero(np.isin(ids, np.fromiter(listed, dtype=np.int64, count=len(listed))))
+    losses = {int(ids[r]): float(index.losses[r]) for r in rows_of}  # only the listed rows: N may be large
+    rows = [{"id": i, "loss": losses[i], "text": texts.get(i)} for i in sorted(listed) if i in losses]
+    write_jsonl(path, rows)
+    return texts
 
 
 def fold(text: str, width: int = 90) -> str:
@@ -152,10 +191,8 @@ def fold(text: str, width: int = 90) -> str:
     return line if len(line) <= width else line[: width - 1] + "…"
 
 
-def print_table(index: GradientIndex, records: list[dict], query_texts: dict[Any, str], show: int) -> None:
+def print_table(records: list[dict], query_texts: dict[Any, str], texts: dict[int, str], show: int) -> None:
     """Each query's text, then its top proponents: rank, score, train id, text."""
-    wanted = {pid for r in records for pid, _ in r["proponents"][:show] + r["opponents"][:1]}
-    texts = train_texts(index, wanted)
     for r in records:
         label = r["query"]
         text = query_texts.get(label) or f"{label} of {len(r.get('queries', []))} queries"
@@ -174,6 +211,84 @@ def pick_latent(cfg: ScoreConfig, sae_dir: str) -> int:
     setup = setup_from_index(index, cfg.device)
     queries = load_queries(cfg.queries, int(index.meta["data"]["max_length"]), setup.tokenizer)
     return most_active_latent(setup.model, load_hooked_sae(sae_dir), queries.examples, setup.pad_id)
+
+
+# ---- latent.json: what the report shows of a latent query, computed while the model is here ----
+def latent_record(cfg: ScoreConfig, setup: GradientSetup, queries: Queries) -> dict[str, Any]:
+    """latent.json of a `--query_sae/--latent` run: each query's tokens with the latent's activation
+    on them, and the latent's browser record (None, with `feature_note` saying why, when it cannot
+    be made)."""
+    latent = int(cfg.latent or 0)
+    hooked = load_hooked_sae(str(cfg.query_sae))
+    feature, why, sample = latent_feature(str(cfg.query_sae), latent, cfg.device)
+    if why:
+        note(f"latent {latent}: no feature-browser record ({why})")
+    return {
+        "latent": latent,
+        "sae": str(cfg.query_sae),
+        "hookpoint": hooked.hookpoint,
+        "queries": query_activations(setup, hooked, latent, queries, cfg.token_batch_size),
+        "feature": feature,
+        "feature_note": why,
+        "feature_sample": sample,
+    }
+
+
+@torch.no_grad()
+def query_activations(
+    setup: GradientSetup, hooked: HookedSae, latent: int, queries: Queries, token_batch_size: int
+) -> list[dict[str, Any]]:
+    """[{query, tokens, acts}]: the latent's activation at each token of each query, as the query
+    objective sees it (the index's model and precision; fp32 SAE)."""
+    examples = queries.examples
+    hooked.to(setup.policy.device)
+    cache: dict[int, str] = {}
+    out: dict[int, dict[str, Any]] = {}
+    for positions in token_batches(examples, token_batch_size):
+        batch = collate(examples, positions, setup.pad_id, setup.policy.device)
+        with setup.policy.autocast():
+            acts = hooked.latents(setup.model, batch)[:, :, latent].float().cpu().numpy()  # [B, T]
+        for row, pos in enumerate(positions):
+            seq = examples.tokens_of(int(pos))
+            out[int(pos)] = {
+                "query": queries.ids[int(pos)],
+                "tokens": [token_text(setup.tokenizer, int(t), cache) for t in seq],
+                "acts": [float(a) for a in acts[row, : len(seq)]],
+            }
+    return [out[i] for i in range(len(examples))]
+
+
+def latent_feature(sae_dir: str, latent: int, device: str) -> tuple[dict | None, str, dict[str, Any]]:
+    """(the latent's browser record, why there is none, the sample it was computed on).
+
+    Taken from the SAE run's features.json when the latent is there; else computed on the same
+    held-out texts (the SAE run's model, dataset and context length). An SAE folder that is not
+    a finished `assay sae train` run has no held-out texts to read.
+    """
+    folder = Path(sae_dir)
+    try:
+        saved = load_run_config(folder)
+    except AssayError:
+        saved = {}
+    if saved.get("command") != "sae train" or not (folder / DONE_FILE).exists():
+        return None, f"{sae_dir} is not a finished `assay sae train` run: no held-out texts to read", {}
+    browser = None
+    if (folder / FEATURES_FILE).exists():
+        browser = FeatureBrowser.load(folder / FEATURES_FILE)
+        found = browser.feature(latent)
+        if found is not None:
+            return found.to_json(), "", _sample_of(browser)
+    texts = int((browser.source.get("max_texts") if browser else None) or BROWSER_TEXTS)
+    try:
+        cfg = config_from_dict(SaeTrainConfig, saved["config"])
+        computed = browse_sae_run(cfg, folder, 0, texts, device, first=(latent,))
+    except AssayError as e:
+        return None, str(e), {}
+    return computed.features[0].to_json(), "", _sample_of(computed)
+
+
+def _sample_of(browser: FeatureBrowser) -> dict[str, Any]:
+    return {"texts": browser.examples, "tokens": browser.tokens, **browser.source}
 
 
 DEMO_QUERIES = QueryConfig(

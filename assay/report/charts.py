@@ -7,6 +7,7 @@ SVGs inlined in one page. Long series are thinned to at most MAX_POINTS points p
 
 from __future__ import annotations
 
+import html
 import io
 import itertools
 import re
@@ -21,6 +22,8 @@ _counter = itertools.count()
 
 
 def _plt():
+    # imported on first chart, not with the module: the Agg backend must be chosen before pyplot
+    # loads, and a page without charts (or `assay --help`) need not pay matplotlib's import
     import matplotlib
 
     matplotlib.use("Agg", force=True)
@@ -172,17 +175,16 @@ def bar_chart(
     return to_svg(fig)
 
 
-def small_histogram(values: ArrayLike, title: str = "", bins: int = 30) -> str:
-    """A compact histogram drawn directly as SVG rectangles (the feature browser draws dozens;
-    matplotlib would take ~0.5 s each). Count axis is linear; x runs from 0 to the max value."""
-    v = np.asarray(values, dtype=float)
-    v = v[np.isfinite(v)]
+def histogram_bars(counts: Sequence[int], hi: float, title: str = "") -> str:
+    """Counts of equal bins over [0, hi] drawn directly as SVG rectangles (the feature browser
+    draws dozens; matplotlib would take ~0.5 s each). Count axis is linear."""
     w, hgt, left, bottom, top = 320.0, 120.0, 34.0, 20.0, 18.0
     parts = [f'<text x="{left}" y="12" font-size="11" fill="#374151">{_xml(title)}</text>']
-    if len(v):
-        hi = float(v.max()) or 1.0
-        counts, edges = np.histogram(v, bins=bins, range=(0.0, hi))
-        peak = max(int(counts.max()), 1)
+    if len(counts) and sum(counts):
+        hi = hi or 1.0
+        bins = len(counts)
+        edges = np.linspace(0.0, hi, bins + 1)
+        peak = max(max(counts), 1)
         bw = (w - left - 6) / bins
         for i, c in enumerate(counts):
             bh = (hgt - bottom - top) * c / peak
@@ -205,6 +207,4 @@ def small_histogram(values: ArrayLike, title: str = "", bins: int = 30) -> str:
 
 
 def _xml(text: str) -> str:
-    import html
-
     return html.escape(text, quote=True)

@@ -1,15 +1,15 @@
 """`assay report RUN_DIR... -o report.html`: one self-contained HTML page for any run folders.
 
-Each folder's kind comes from its config.json "command"; folders that hold other run folders
-(a demo, an experiment) get their own overview followed by a section per nested run.
+Each folder's kind comes from its config.json "command", which picks its view (views.VIEWS);
+folders that hold other run folders (a demo, an experiment) get their own overview followed by
+a section per nested run. The report only reads run folders: it loads no model and runs nothing.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
@@ -18,8 +18,11 @@ import tyro
 from assay.core.console import note
 from assay.core.errors import AssayError
 from assay.report import html as h
-from assay.report.links import Links, scan
-from assay.report.runs import Run, open_run
+from assay.report.common import ViewOptions, generic_section
+from assay.report.demo import demo_overview
+from assay.report.links import scan
+from assay.report.runs import SHOWS_OWN_STAGES, Run, open_run
+from assay.report.views import view_of
 
 
 @dataclass
@@ -33,11 +36,11 @@ class ReportConfig:
     title: str | None = None
     """Page title (default: the run folders' names)."""
     features: int = 32
-    """SAE runs: latents shown in the feature browser (the first live ones by index; 0: none)."""
-    feature_examples: int = 200
-    """SAE runs: texts read to find each latent's top activating contexts."""
-    device: str = "auto"
-    """Device for the SAE feature browser's forward passes (cpu, cuda, auto)."""
+    """SAE runs: latents shown per feature browser, at most the --browser_latents that `assay sae
+    train` wrote to features.json (latents attributed by score runs on the page come first; 0:
+    hide the browser). Nothing is computed: the report reads features.json."""
+    feature_examples: int = 8
+    """SAE runs: top activating contexts shown per latent (features.json holds up to 8)."""
 
     def __post_init__(self) -> None:
         if not self.runs:
@@ -46,53 +49,13 @@ class ReportConfig:
             raise AssayError("--features must be >= 0 and --feature_examples positive")
 
 
-@dataclass
-class Options:
-    """What the section renderers may be asked to bound (from the config)."""
-
-    features: int = 32
-    feature_examples: int = 200
-    device: str = "auto"
-    links: Links = field(default_factory=Links)
-
-
-def _renderer(command: str) -> Callable[[Run, Options], h.Section] | None:
-    """The section view of a command's folders (imported lazily), or None for the generic one."""
-    from assay.report import index_view, scores, training
-
-    if command == "score":
-        return lambda run, opts: scores.score_section(run, opts.links.card_of(run))
-    simple: dict[str, Callable[[Run], h.Section]] = {
-        "build": index_view.build_section,
-        "eval": training.eval_section,
-        "finetune": training.finetune_section,
-    }
-    if command in simple:
-        fn = simple[command]
-        return lambda run, opts: fn(run)
-    if command == "coreset":
-        from assay.report.coreset import coreset_section
-
-        return lambda run, opts: coreset_section(run)
-    if command in ("sae train", "sae eval", "sae"):
-        from assay.report.sae import sae_section
-
-        return lambda run, opts: sae_section(
-            run, opts.features, opts.feature_examples, opts.device, opts.links.for_sae(run)
-        )
-    return None
-
-
-def sections_of(run: Run, opts: Options, depth: int = 0) -> list[h.Section]:
+def sections_of(run: Run, opts: ViewOptions, depth: int = 0) -> list[h.Section]:
     """The run's own section, then (for containers such as a demo) its nested runs' sections."""
-    from assay.report.common import generic_section
-    from assay.report.demo import demo_overview
-
     children = run.children() if depth < 2 else []
-    render = _renderer(run.command)
-    if render is not None:
-        out = [render(run, opts)]
-        nested = [] if run.command == "coreset" else children  # an experiment shows its own stages
+    view = view_of(run.command)
+    if view is not None:
+        out = [view(run, opts)]
+        nested = [] if run.command in SHOWS_OWN_STAGES else children
     elif children:
         out, nested = [demo_overview(run, children)], children
     else:
@@ -111,7 +74,7 @@ def _failed(run: Run, error: Exception) -> h.Section:
     return h.Section(run.name, run.command, body)
 
 
-def _unique_anchors(sections: list[h.Section]) -> None:
+def unique_anchors(sections: list[h.Section]) -> None:
     seen: set[str] = set()
     for s in sections:
         base = h.slug(f"{s.kind}-{s.title}")
@@ -122,7 +85,7 @@ def _unique_anchors(sections: list[h.Section]) -> None:
         s.anchor = anchor
 
 
-def render_page(run_dirs: list[Path], title: str, opts: Options) -> str:
+def render_page(run_dirs: list[Path], title: str, opts: ViewOptions) -> str:
     runs = [open_run(p) for p in run_dirs]
     opts.links = scan(runs)
     sections: list[h.Section] = []
@@ -133,7 +96,7 @@ def render_page(run_dirs: list[Path], title: str, opts: Options) -> str:
             raise
         except Exception as e:  # noqa: BLE001 - show the others, say which one failed
             sections.append(_failed(run, e))
-    _unique_anchors(sections)
+    unique_anchors(sections)
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     intro = f"<p>{h.esc(', '.join(str(p) for p in run_dirs))}</p>"
     if any(r.command == "demo" for r in runs):
@@ -165,14 +128,21 @@ def _check_target(out: Path) -> None:
 
 
 def build_report(
-    run_dirs: list[Path], out_html: Path, title: str | None = None, **options: int | str
+    run_dirs: list[Path],
+    out_html: Path,
+    title: str | None = None,
+    features: int = 32,
+    feature_examples: int = 8,
 ) -> Path:
-    """Write one HTML page with a section per run folder (and per nested stage); returns its path."""
+    """Write one HTML page with a section per run folder (and per nested stage); returns its path.
+
+    `features` and `feature_examples` bound what SAE feature browsers show (see ReportConfig).
+    """
     run_dirs = [Path(p) for p in run_dirs]
     out_html = Path(out_html)
     _check_target(out_html)
     title = title or "assay report — " + ", ".join(p.name for p in run_dirs)
-    text = render_page(run_dirs, title, Options(**options))  # type: ignore[arg-type]
+    text = render_page(run_dirs, title, ViewOptions(features=features, feature_examples=feature_examples))
     out_html.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_html.with_name(out_html.name + ".tmp")
     tmp.write_text(text, encoding="utf-8")

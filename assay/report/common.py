@@ -1,11 +1,27 @@
-"""Pieces every section uses: the run's settings block and the generic view of any run."""
+"""Pieces every section uses: the views' options, the run's settings block, the generic view."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 from assay.report import html as h
+from assay.report.links import Links
 from assay.report.runs import Run, flat_config
+
+
+@dataclass
+class ViewOptions:
+    """What a view is given besides its run: display limits (from `assay report`'s flags) and the
+    page's cross-links. Views only read run folders; nothing here makes them compute."""
+
+    features: int = 32
+    """SAE runs: latents shown per feature browser, at most what features.json holds (0: none)."""
+    feature_examples: int = 8
+    """SAE runs: top activating contexts shown per latent, at most what features.json holds."""
+    links: Links = field(default_factory=Links)
+    """Which SAE latents score runs on the page attribute (scanned before rendering)."""
+
 
 # Config keys people look for first, in this order; the rest follow folded.
 KEY_SETTINGS = ("model.model", "data.dataset", "data.split", "data.max_samples", "runtime.precision")
@@ -46,7 +62,7 @@ def config_get(config: dict[str, Any], dotted: str, default: Any = None) -> Any:
     return value
 
 
-def generic_section(run: Run) -> h.Section:
+def generic_section(run: Run, opts: ViewOptions | None = None) -> h.Section:
     """Any run the report has no dedicated view for: its summary numbers and settings."""
     summary = run.json("summary.json") or {}
     numbers = [(k, v) for k, v in summary.items() if isinstance(v, int | float) and not isinstance(v, bool)]

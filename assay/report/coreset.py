@@ -1,8 +1,8 @@
 """The view of an `assay coreset` experiment: results table, loss curves, bf16/fp32 overlap.
 
-Reads results.json (written at the end of the experiment) and each retraining run's
-metrics.jsonl (full/seed{S}/, retrain/{row}/seed{S}/); while the experiment is running only
-the finished stages show.
+Reads results.json (written at the end of the experiment; each row carries its readable label)
+and each retraining run's metrics.jsonl (full/seed{S}/, retrain/{row}/seed{S}/); while the
+experiment is running only the finished stages show, named by their folders.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from assay.report import charts
 from assay.report import html as h
 from assay.report.common import missing_note, settings_block, unfinished_note
 from assay.report.runs import Run, try_open_run
-from assay.selection.tables import LABELS
 
 
 def _stat(entry: dict, key: str) -> str:
@@ -37,7 +36,7 @@ def results_table(rows: dict[str, dict[str, Any]]) -> str:
         seeds = ", ".join(f"{v:.4f}" for v in e.get("eval_loss", []))
         wall = (e.get("wall_s_stats") or {}).get("mean")
         table_rows.append(
-            (e.get("label", LABELS.get(name, name)), e.get("examples"), _stat(e, "eval_loss"), vs_text,
+            (e.get("label", name), e.get("examples"), _stat(e, "eval_loss"), vs_text,
              _stat(e, "pool_loss"), seeds, wall)
         )  # fmt: skip
     headers = [
@@ -60,7 +59,7 @@ def eval_bars(rows: dict[str, dict[str, Any]]) -> str:
         return ""
     means = [rows[n]["eval_loss_stats"]["mean"] for n in names]
     stds = [rows[n]["eval_loss_stats"].get("std", 0.0) for n in names]
-    labels = [rows[n].get("label", LABELS.get(n, n)) for n in names]
+    labels = [rows[n].get("label", n) for n in names]
     full = rows.get("full", {}).get("eval_loss_stats", {}).get("mean")
     best = min(range(len(means)), key=lambda i: means[i])
     return charts.bar_chart(
@@ -84,15 +83,16 @@ def _run_folders(root: Path) -> dict[str, list[tuple[str, Run]]]:
     return found
 
 
-def loss_curves(root: Path, order: list[str]) -> str:
-    """Train loss and eval loss against the step for every row, at the first seed."""
+def loss_curves(root: Path, labels: dict[str, str]) -> str:
+    """Train loss and eval loss against the step for every row (in the order of `labels`, {row:
+    label}; rows found on disk only follow, named by their folder), at the first seed."""
     runs = _run_folders(root)
-    rows = [r for r in order if r in runs] + [r for r in runs if r not in order]
+    rows = [r for r in labels if r in runs] + [r for r in runs if r not in labels]
     train, evals = {}, {}
     for row in rows:
         _, run = runs[row][0]
         log = run.jsonl("metrics.jsonl")
-        label = LABELS.get(row, row)
+        label = labels.get(row, row)
         t = [
             (r["step"], r["train_loss"])
             for r in log
@@ -105,7 +105,7 @@ def loss_curves(root: Path, order: list[str]) -> str:
             evals[label] = ([p[0] for p in e], [p[1] for p in e])
     if not train and not evals:
         return missing_note("loss curves", "retraining runs with metrics.jsonl")
-    styles = {LABELS["trackstar_fp32"]: "--"}
+    styles = {labels.get(r, r): "--" for r in rows if r.endswith("_fp32")}  # the fp32 twin of a bf16 row
     seed = runs[rows[0]][0][0] if rows else ""
     blocks = []
     if train:
@@ -132,7 +132,7 @@ def loss_curves(root: Path, order: list[str]) -> str:
     return h.grid(*blocks)
 
 
-def selection_block(facts: dict[str, Any]) -> str:
+def selection_block(facts: dict[str, Any], labels: dict[str, str]) -> str:
     out = ""
     overlap = facts.get("overlap_trackstar_bf16_fp32")
     if overlap is not None:
@@ -144,7 +144,7 @@ def selection_block(facts: dict[str, Any]) -> str:
     shares = facts.get("collection_share")
     if shares:
         groups = list(shares.get("pool", {}))
-        rows = [[LABELS.get(r, r)] + [f"{s.get(g, 0):.0%}" for g in groups] for r, s in shares.items()]
+        rows = [[labels.get(r, r)] + [f"{s.get(g, 0):.0%}" for g in groups] for r, s in shares.items()]
         out += h.h3("Share of each collection in the selections") + h.table(
             ["selection", *groups], rows, numeric=tuple(range(1, len(groups) + 1))
         )
@@ -156,7 +156,7 @@ def coreset_section(run: Run) -> h.Section:
     body = unfinished_note(run)
     if results is None:
         body += missing_note("results table", "results.json (the experiment has not finished)")
-        body += h.h3("Loss curves") + loss_curves(run.path, list(LABELS))
+        body += h.h3("Loss curves") + loss_curves(run.path, {})
         return h.Section(run.name, "coreset", body + settings_block(run))
     rows = results.get("rows", {})
     seeds = results.get("seeds", [])
@@ -166,8 +166,9 @@ def coreset_section(run: Run) -> h.Section:
     )  # fmt: skip
     body += h.h3("Results") + results_table(rows)
     body += h.grid(h.figure(eval_bars(rows)) if rows else "")
-    body += h.h3("Loss curves per strategy and precision") + loss_curves(run.path, list(rows) or list(LABELS))
-    body += h.h3("bf16 vs fp32 selection") + selection_block(results.get("selection", {}))
+    labels = {name: str(row.get("label", name)) for name, row in rows.items()}
+    body += h.h3("Loss curves per strategy and precision") + loss_curves(run.path, labels)
+    body += h.h3("bf16 vs fp32 selection") + selection_block(results.get("selection", {}), labels)
     stage_s = results.get("stage_s") or {}
     if stage_s:
         body += h.details(

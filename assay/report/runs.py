@@ -18,6 +18,8 @@ from assay.core.runs import CONFIG_FILE, DONE_FILE
 
 # How a container's stages are ordered: data -> attribution -> selection -> features -> the rest.
 STAGE_ORDER = ("build", "score", "filter", "coreset", "sae train", "sae eval", "finetune", "eval")
+SHOWS_OWN_STAGES = frozenset({"coreset"})
+"""Commands whose view presents their nested runs itself (an experiment's retraining runs)."""
 
 
 @dataclass

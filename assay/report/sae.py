@@ -1,24 +1,31 @@
-"""The view of an `assay sae train` folder: training curves and the feature browser.
+"""The view of an `assay sae train` folder: metrics, training curves and the feature browser.
 
 Curves come from metrics.jsonl (train lines: loss, fvu, l0, dead_fraction, ...; evaluation
-lines: eval/ce_loss_score, eval/fvu, ...). The feature browser needs the model, the SAE and
-held-out text: it is computed here (bounded; see features.py) from the run's saved config.
+lines: eval/ce_loss_score, eval/fvu, ...). The feature browser comes from features.json, which
+`assay sae train` writes after training (assay/sae/features.py); a latent attributed by a score
+run on the page comes from that run's latent.json. Both are read as plain JSON: the report loads
+no model and no SAE.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import numpy as np
 
-from assay.core.console import note
 from assay.report import charts
 from assay.report import html as h
-from assay.report.common import config_get, missing_note, settings_block, unfinished_note
-from assay.report.features import Feature, FeatureBrowser
-from assay.report.links import card_anchor
+from assay.report.common import ViewOptions, config_get, missing_note, settings_block, unfinished_note
+from assay.report.links import Attributed, card_anchor
 from assay.report.runs import Run
+
+FEATURES_FILE = "features.json"
+"""What `assay sae train` writes for the report (see assay/sae/features.py)."""
+NO_BROWSER = (
+    f"No feature browser: this run folder has no {FEATURES_FILE}. `assay sae train` writes it after "
+    "training (--browser_latents, default 32; 0 skips it); rerunning the same command on a finished "
+    "run writes it without retraining."
+)
 
 CURVES = (
     ("loss", "Training loss", False),
@@ -91,132 +98,137 @@ def _ce_pair(m: dict[str, Any]) -> str:
     return "–"
 
 
-def context_html(ctx: Any, scale: float) -> str:
+def context_html(ctx: dict[str, Any], scale: float) -> str:
     """Tokens shaded by activation (peak outlined, value on hover); inactive tokens stay plain text
-    (one span per active token only keeps a page of dozens of latents small)."""
+    (one span per active token only keeps a page of dozens of latents small). `ctx` holds tokens,
+    acts, peak (an index into tokens), max_act and example (a context of features.json)."""
     parts = []
-    for i, (tok, act) in enumerate(zip(ctx.tokens, ctx.acts)):
+    peak = int(ctx.get("peak", -1))
+    for i, (tok, act) in enumerate(zip(ctx["tokens"], ctx["acts"])):
         alpha = 0.0 if scale <= 0 else min(max(act, 0.0) / scale, 1.0) * 0.85
-        if act <= 0 and i != ctx.peak:
+        if act <= 0 and i != peak:
             parts.append(h.esc(tok))
             continue
-        cls = "tok peak" if i == ctx.peak else "tok"
+        cls = "tok peak" if i == peak else "tok"
         style = f' style="background:rgba(234,88,12,{max(alpha, 0.06):.2f})"'
         parts.append(f'<span class="{cls}"{style} title="{act:.3f}">{h.esc(tok)}</span>')
-    return f'<div class="ctx" title="example {ctx.example}, peak {ctx.max_act:.3f}">{"".join(parts)}</div>'
+    where = f"example {h.esc(ctx.get('example', '?'))}, peak {float(ctx.get('max_act', 0.0)):.3f}"
+    return f'<div class="ctx" title="{where}">{"".join(parts)}</div>'
 
 
-def token_chips(pairs: list[tuple[str, float]], cls: str) -> str:
-    chips = "".join(f'<span class="{cls}" title="{v:+.3f}">{h.esc(t)}</span>' for t, v in pairs)
+def token_chips(pairs: list, cls: str) -> str:
+    chips = "".join(f'<span class="{cls}" title="{float(v):+.3f}">{h.esc(t)}</span>' for t, v in pairs)
     return f'<div class="tokens">{chips}</div>'
 
 
-def feature_card(f: Feature, sae_run_name: str, links: dict[int, list[str]]) -> str:
-    """One latent: contexts, histogram, logit effects; `links` name score sections attributing it."""
-    contexts = (
-        "".join(context_html(c, f.max_act) for c in f.contexts) or "<p class='muted'>no activations</p>"
-    )
-    side = h.figure(charts.small_histogram(f.values, f"activations ({len(f.values):,} tokens)"))
-    if f.promoted:
-        side += "<h4>Promotes</h4>" + token_chips(f.promoted, "up")
-        side += "<h4>Suppresses</h4>" + token_chips(f.suppressed, "down")
-    attributed = "".join(
-        f' <a class="badge" href="#{h.esc(a)}">attributed to training data: {h.esc(a)}</a>'
-        for a in links.get(f.latent, [])
-    )
-    head = (
-        f'<div class="feature-head"><h4>Latent {f.latent}</h4><span class="muted">fires on '
-        f"{f.density:.2%} of tokens · max {f.max_act:.3f}</span>{attributed}</div>"
-    )
-    return (
-        f'<div class="feature searchable" id="{h.esc(card_anchor(sae_run_name, f.latent))}">{head}'
-        f'<div class="feature-grid"><div>{contexts}</div><div>{side}</div></div></div>'
-    )
-
-
-def browser_html(run: Run, fb: FeatureBrowser, links: dict[int, list[str]]) -> str:
-    scope = f"{h.slug(run.name)}-features"
-    dens = fb.density[fb.density > 0]
-    summary = h.tiles(
-        [
-            ("texts read", fb.examples),
-            ("tokens", fb.tokens),
-            ("live latents", f"{len(dens):,} of {len(fb.density):,}"),
-            ("L0 on these texts", fb.l0),
-        ]
-    )
-    hist = h.figure(
-        charts.histogram(
-            np.log10(dens), "Latent density (live latents)", "log10 fraction of tokens fired", bins=30
+def feature_card(f: dict[str, Any], sae_run_name: str, anchors: list[str], contexts: int) -> str:
+    """One latent of features.json: its top `contexts` contexts, activation histogram and logit
+    effects; `anchors` name the score sections attributing it."""
+    max_act = float(f.get("max_act", 0.0))
+    shown = "".join(context_html(c, max_act) for c in f.get("contexts", [])[:contexts])
+    side = h.figure(
+        charts.histogram_bars(
+            f.get("histogram", []), max_act, f"activations ({int(f.get('nonzero', 0)):,} tokens)"
         )
     )
-    intro = (
-        f"<p class='muted'>{_which(fb, links)} "
+    if f.get("promoted"):
+        side += "<h4>Promotes</h4>" + token_chips(f["promoted"], "up")
+        side += "<h4>Suppresses</h4>" + token_chips(f.get("suppressed", []), "down")
+    facts = f"fires on {float(f.get('density', 0.0)):.2%} of tokens · max {max_act:.3f}"
+    main = shown or "<p class='muted'>no activations</p>"
+    return _card(int(f["latent"]), sae_run_name, anchors, facts, main, side)
+
+
+def _card(latent: int, sae_run_name: str, anchors: list[str], facts: str, main: str, side: str) -> str:
+    attributed = "".join(
+        f' <a class="badge" href="#{h.esc(a)}">attributed to training data: {h.esc(a)}</a>' for a in anchors
+    )
+    head = (
+        f'<div class="feature-head"><h4>Latent {latent}</h4><span class="muted">{h.esc(facts)}</span>'
+        f"{attributed}</div>"
+    )
+    return (
+        f'<div class="feature searchable" id="{h.esc(card_anchor(sae_run_name, latent))}">{head}'
+        f'<div class="feature-grid"><div>{main}</div><div>{side}</div></div></div>'
+    )
+
+
+def pinned_cards(run: Run, saved: dict[int, dict], pinned: dict[int, Attributed], contexts: int) -> str:
+    """The latents score runs on the page attribute: their record from features.json, else from the
+    score run's latent.json, else a card saying why there is none."""
+    cards = []
+    for latent, link in sorted(pinned.items()):
+        record = saved.get(latent) or link.record
+        if record is not None:
+            cards.append(feature_card(record, run.name, link.anchors, contexts))
+        else:
+            why = link.note or "no latent.json of those runs has its browser record"
+            cards.append(
+                _card(latent, run.name, link.anchors, "", h.note_box(f"No browser record: {why}"), "")
+            )
+    return "".join(cards)
+
+
+def browser_summary(data: dict[str, Any]) -> str:
+    """Tiles and the density histogram of every latent, from features.json's firing counts."""
+    fired = np.asarray(data.get("fired", []), dtype=np.float64)
+    tokens = int(data.get("tokens", 0))
+    density = fired / max(tokens, 1)
+    live = density[density > 0]
+    source = data.get("source") or {}
+    tiles = h.tiles(
+        [
+            ("texts read", int(data.get("examples", 0))),
+            ("tokens", tokens),
+            ("live latents", f"{len(live):,} of {len(fired):,}"),
+            ("L0 on these texts", float(fired.sum()) / max(tokens, 1)),
+            ("held-out texts", f"{source.get('dataset', '?')}:{source.get('split', '?')}"),
+        ]
+    )
+    if not len(live):
+        return tiles
+    hist = charts.histogram(
+        np.log10(live), "Latent density (live latents)", "log10 fraction of tokens fired", bins=30
+    )
+    return tiles + h.grid(h.figure(hist))
+
+
+def browser_html(run: Run, opts: ViewOptions) -> str:
+    """The feature browser: the latents attributed on the page first, then features.json's sample."""
+    data = run.json(FEATURES_FILE)
+    pinned = opts.links.for_sae(run)
+    if data is not None and not isinstance(data.get("features"), list):
+        data = None
+        body = h.note_box(f"{FEATURES_FILE} is unreadable; rerun `assay sae train` to rewrite it.", "warn")
+    else:
+        body = "" if data is not None else h.note_box(NO_BROWSER, "warn")
+    if data is None and not pinned:
+        return body
+    saved = {int(f["latent"]): f for f in (data or {}).get("features", [])}
+    sample = [f for latent, f in saved.items() if latent not in pinned][: opts.features]
+    scope = f"{h.slug(run.name)}-features"
+    cards = pinned_cards(run, saved, pinned, opts.feature_examples)
+    cards += "".join(feature_card(f, run.name, [], opts.feature_examples) for f in sample)
+    if data is not None:
+        body += browser_summary(data)
+    body += f"<p class='muted'>{_which(len(pinned), len(sample))} " + (
         "Each shows its top activating held-out contexts (orange: activation, outlined: peak token; "
         "hover for values), the distribution of its nonzero activations, and the output tokens its "
         "decoder direction promotes and suppresses (W_dec·W_Uᵀ, final norm ignored).</p>"
     )
-    cards = "".join(feature_card(f, run.name, links) for f in fb.features)
-    return (
-        summary + h.grid(hist) + intro + h.search_box(scope, "Search latents by token…")
-        + f'<div id="{h.esc(scope)}">{cards}</div>'
-    )  # fmt: skip
+    return body + h.search_box(scope, "Search latents by token…") + f'<div id="{h.esc(scope)}">{cards}</div>'
 
 
-def _which(fb: FeatureBrowser, links: dict[int, list[str]]) -> str:
-    pinned = sum(1 for f in fb.features if f.latent in links)
-    sample = f"the first {len(fb.features) - pinned} live latents by index (an unbiased sample)."
-    return (
-        (f"The {pinned} latent(s) attributed to training data in this report, then " + sample)
-        if pinned
-        else (sample[0].upper() + sample[1:])
-    )
+def _which(pinned: int, sample: int) -> str:
+    first = f"the first {sample} live latents by index (an unbiased sample)."
+    if pinned:
+        return f"The {pinned} latent(s) attributed to training data in this report, then " + first
+    return first[0].upper() + first[1:]
 
 
-def compute_browser(
-    run: Run, num_latents: int, num_examples: int, device: str, first: tuple[int, ...] = ()
-) -> FeatureBrowser:
-    """Load model, tokenizer, SAE and held-out texts from the run's config; run features.browse."""
-    from assay.bridge.latent import load_hooked_sae
-    from assay.core.config import DataConfig, ModelConfig, RuntimeConfig
-    from assay.core.runs import config_from_dict
-    from assay.lm.data import load_examples
-    from assay.lm.models import load_model, load_tokenizer, setup_runtime
-    from assay.report.features import browse
-
-    cfg = run.config
-    sae = load_hooked_sae(run.path, hookpoint=cfg.get("hookpoint"))
-    model_cfg = config_from_dict(ModelConfig, cfg.get("model") or {})
-    data = config_from_dict(DataConfig, cfg.get("data") or {})
-    data = dataclasses.replace(data, split=cfg.get("eval_split", "eval"), max_samples=num_examples)
-    dev, policy = setup_runtime(RuntimeConfig(precision="fp32", device=device))  # type: ignore[arg-type]
-    tokenizer = load_tokenizer(model_cfg)
-    _, examples = load_examples(data, tokenizer)
-    model = load_model(model_cfg, policy, "auto").eval()
-    length = int(cfg.get("context_length") or 128)
-    seqs = [examples.tokens_of(i)[:length] for i in range(len(examples))]
-    keep = [i for i, s in enumerate(seqs) if len(s) > 1]
-    return browse(
-        model,
-        tokenizer,
-        sae,
-        [seqs[i] for i in keep],
-        [int(examples.ids[i]) for i in keep],
-        num_latents,
-        dev,
-        first=first,
-    )
-
-
-def sae_section(
-    run: Run,
-    num_latents: int = 32,
-    num_examples: int = 200,
-    device: str = "auto",
-    links: dict[int, list[str]] | None = None,
-) -> h.Section:
-    """Metrics, curves and the feature browser; `links` {latent: [score section anchors]} pins the
-    latents attributed elsewhere in the report to the top of the browser, linked both ways."""
+def sae_view(run: Run, opts: ViewOptions) -> h.Section:
+    """Metrics, curves and the feature browser; latents that score runs on the page attribute are
+    pinned to the top of the browser, linked both ways."""
     records = run.jsonl("metrics.jsonl")
     body = unfinished_note(run)
     metrics = final_metrics(run, records)
@@ -226,16 +238,10 @@ def sae_section(
     body += h.h3("Training curves") + training_curves(records)
     anchor = f"{h.slug(run.name)}-browser"
     body += h.h3("Feature browser", anchor)
-    if num_latents > 0:
-        try:
-            links = links or {}
-            fb = compute_browser(run, num_latents, num_examples, device, tuple(links))
-            body += browser_html(run, fb, links)
-        except Exception as e:  # noqa: BLE001 - the curves stay useful without the browser
-            note(f"report: feature browser of {run.name} unavailable ({type(e).__name__}: {e})")
-            body += h.note_box(f"Feature browser unavailable: {type(e).__name__}: {e}", "warn")
+    if opts.features > 0:
+        body += browser_html(run, opts)
     else:
-        body += h.note_box("Feature browser switched off (--features 0).")
+        body += h.note_box("Feature browser hidden (--features 0).")
     arch = config_get(run.config, "sae.architecture", "?")
     subtitle = (
         f"{arch} SAE at {run.config.get('hookpoint', '?')} of {config_get(run.config, 'model.model', '?')}"
