@@ -1,12 +1,9 @@
-"""`assay filter`: choose training examples by a score, for coreset or targeted selection.
+"""`assay filter`: choose training examples, for coreset or targeted selection.
 
-Strategies (every one writes a score per pool example; the selection is the top scores, or
-the bottom ones with --lowest):
-
-- random:    seeded uniform scores (the baseline every other strategy must beat);
-- loss:      the example's mean token loss under the model (high loss = most to learn);
-- gradcos:   raw gradient cosine with the query (no normalizer, no preconditioner);
-- trackstar: TrackStar's cosine after R^(-1/2) whitening on both sides.
+Strategies (strategies.py): score strategies (random, loss, gradcos, trackstar) keep the top
+scores, or the bottom ones with --lowest, optionally de-duplicated first (--dedup); coverage
+strategies (facility, kcenter, balanced) spread the selection over the pool's gradient
+features, facility with CRAIG's per-example weights (which `assay finetune` then uses).
 
 Queries: `--query eval` scores each pool example against the MEAN of the query set's unit
 (whitened) gradients, i.e. the mean of its per-query scores (targeted selection, as LESS);
@@ -34,14 +31,22 @@ from assay.core.config import DataConfig, ModelConfig, QueryConfig, RuntimeConfi
 from assay.core.console import note
 from assay.core.distributed import Distributed
 from assay.core.errors import AssayError
-from assay.core.runs import run_folder, write_json
+from assay.core.runs import run_folder, write_json, write_jsonl
 from assay.lm.data import ID_COLUMN, load_table
 from assay.lm.queries import load_queries
+from assay.selection.coverage import DedupOptions
+from assay.selection.coverage import select as cover
+from assay.selection.similarity import Selection
+from assay.selection.strategies import (
+    FEATURES_FILE,
+    GRADIENT_MODES,
+    STRATEGIES,
+    Features,
+    StrategyName,
+    WithinName,
+    gradient_features,
+)
 from assay.training.evaluate import mean_token_loss
-
-Strategy = Literal["random", "loss", "gradcos", "trackstar"]
-STRATEGIES: tuple[str, ...] = ("random", "loss", "gradcos", "trackstar")
-GRADIENT_MODES = {"gradcos": "cosine", "trackstar": "trackstar"}
 
 
 @dataclass
@@ -53,8 +58,9 @@ class FilterConfig:
     model: tyro.conf.OmitArgPrefixes[ModelConfig] = field(default_factory=ModelConfig)
     data: tyro.conf.OmitArgPrefixes[DataConfig] = field(default_factory=DataConfig)
     runtime: tyro.conf.OmitArgPrefixes[RuntimeConfig] = field(default_factory=RuntimeConfig)
-    strategy: Strategy = "trackstar"
-    """random | loss (mean token loss) | gradcos (raw gradient cosine) | trackstar."""
+    strategy: StrategyName = "trackstar"
+    """random | loss (mean token loss) | gradcos (raw gradient cosine) | trackstar (whitened cosine)
+    | facility (CRAIG: greedy facility location, weighted) | kcenter | balanced (k-means strata)."""
     query: Literal["self", "eval"] = "self"
     """self: the pool is its own query (coreset); eval: a query dataset (targeted selection)."""
     queries: tyro.conf.OmitArgPrefixes[QueryConfig] = field(default_factory=QueryConfig)
@@ -63,7 +69,14 @@ class FilterConfig:
     fraction: float | None = None
     """Or: which fraction of the pool to keep (0-1]."""
     lowest: bool = False
-    """Keep the lowest scores instead of the highest (the other tail)."""
+    """Score strategies: keep the lowest scores instead of the highest (the other tail)."""
+    dedup: float | None = None
+    """Score strategies: first drop near-duplicates (gradient cosine >= DEDUP to an already kept,
+    higher-scoring example; SemDeDup), then keep the top scores."""
+    features: Features = "whitened"
+    """Coverage strategies' feature space: whitened (TrackStar's R^(-1/2), unit rows) or raw rows."""
+    within: WithinName = "random"
+    """balanced: which score ranks the examples within each cluster."""
     index: str | None = None
     """A gradient index of the pool (`assay build`); without it gradient strategies build one in OUT/index."""
     projection_dim: int = 16
@@ -76,13 +89,22 @@ class FilterConfig:
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise AssayError(f"unknown --strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}")
+        if self.dedup is not None and not 0.0 < self.dedup <= 1.0:
+            raise AssayError(f"--dedup must be a cosine in (0, 1], got {self.dedup}")
+        if self.dedup is not None and STRATEGIES[self.strategy].kind != "score":
+            raise AssayError(
+                f"--dedup applies to score strategies; {self.strategy} already avoids duplicates"
+            )
         if (self.num_examples is None) == (self.fraction is None):
             raise AssayError("give exactly one of --num_examples and --fraction")
         if self.num_examples is not None and self.num_examples < 1:
             raise AssayError(f"--num_examples must be >= 1, got {self.num_examples}")
         if self.fraction is not None and not 0.0 < self.fraction <= 1.0:
             raise AssayError(f"--fraction must be in (0, 1], got {self.fraction}")
-        if self.query == "eval" and not self.queries.given and self.strategy in GRADIENT_MODES:
+        gradient = self.strategy in GRADIENT_MODES or (
+            self.strategy == "balanced" and self.within in GRADIENT_MODES
+        )
+        if self.query == "eval" and not self.queries.given and gradient:
             raise AssayError("--query eval needs the query set: --query_dataset DATASET (and --query_split)")
 
 
@@ -150,78 +172,131 @@ def query_gradients_of(cfg: FilterConfig, index: GradientIndex) -> torch.Tensor:
     return query_gradients(setup, queries.examples, cfg.token_batch_size)
 
 
-def gradient_scores(cfg: FilterConfig, index: GradientIndex) -> np.ndarray:
+def gradient_scores(cfg: FilterConfig, index: GradientIndex, name: str) -> np.ndarray:
     """[N] mean score of each index row against the queries (gradcos or trackstar)."""
     queries = query_gradients_of(cfg, index)
     out = np.zeros((1, len(index)), dtype=np.float32)
-    options = ScoreOptions(mode=GRADIENT_MODES[cfg.strategy], aggregate="mean", top_k=1)  # type: ignore[arg-type]
+    options = ScoreOptions(mode=GRADIENT_MODES[name], aggregate="mean", top_k=1)  # type: ignore[arg-type]
     score_index(index, queries, options, scores_out=out)
     return out[0].astype(np.float64)
 
 
-def compute_scores(cfg: FilterConfig, folder: Path) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
-    """(pool ids [N], scores [N], details) for the chosen strategy.
-
-    Under torchrun every rank joins the index build (the costly part, rank-aware); rank 0 alone
-    scores (cheap next to the gradients) and every rank gets its scores.
-    """
-    index = open_index(cfg.index) if cfg.index else None
-    details: dict[str, Any] = {}
-    if index is None and cfg.strategy in GRADIENT_MODES:
-        index = build_index_here(cfg, folder)
-        details["index"] = str(Path(cfg.out) / "index")  # where it will be once OUT is finished
-    return Distributed.current().main_only(_scores, cfg, index, details)
+def pool_index(cfg: FilterConfig, folder: Path) -> tuple[GradientIndex | None, dict[str, Any]]:
+    """The index gradient strategies read: --index, or one built (resumably) into OUT/index.
+    Under torchrun every rank joins the build (the costly, rank-aware part)."""
+    if cfg.index:
+        return open_index(cfg.index), {}
+    within = cfg.strategy == "balanced" and cfg.within in GRADIENT_MODES
+    if not (STRATEGIES[cfg.strategy].needs_index or within or cfg.dedup is not None):
+        return None, {}
+    return build_index_here(cfg, folder), {"index": str(Path(cfg.out) / "index")}
 
 
-def _scores(
-    cfg: FilterConfig, index: GradientIndex | None, details: dict[str, Any]
-) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
-    """The strategy's scores of the pool, computed in this process (no collectives)."""
-    if cfg.strategy == "random":
+def pool_scores(cfg: FilterConfig, index: GradientIndex | None, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """(pool ids [N], scores [N]) of score strategy `name`, computed in this process."""
+    if name == "random":
         ids = index.ids if index is not None else pool_ids(cfg)
-        return np.asarray(ids, np.int64), random_scores(len(ids), cfg.runtime.seed), {}
-    if cfg.strategy == "loss":
+        return np.asarray(ids, np.int64), random_scores(len(ids), cfg.runtime.seed)
+    if name == "loss":
         if index is not None:
-            return np.asarray(index.ids, np.int64), mean_token_losses(index), {"index": str(index.path)}
-        ids, losses = model_token_losses(cfg)
-        return np.asarray(ids, np.int64), losses, {}
-    assert index is not None  # compute_scores built one
-    details = {"index": str(index.path), **details, "precision": index.meta["precision"]}
-    return np.asarray(index.ids, np.int64), gradient_scores(cfg, index), details
+            return np.asarray(index.ids, np.int64), mean_token_losses(index)
+        return model_token_losses(cfg)
+    assert index is not None  # pool_index built one
+    return np.asarray(index.ids, np.int64), gradient_scores(cfg, index, name)
 
 
-def write_selection(folder: Path, ids: np.ndarray, scores: np.ndarray, chosen: np.ndarray) -> None:
-    """selection.jsonl (rank order), selected_ids.txt, and every pool score (ids.npy, scores.npy)."""
-    with open(folder / "selection.jsonl", "w") as f:
-        for rank, pos in enumerate(chosen):
-            f.write(json.dumps({"id": int(ids[pos]), "score": float(scores[pos]), "rank": rank}) + "\n")
-    (folder / "selected_ids.txt").write_text("".join(f"{int(ids[p])}\n" for p in chosen))
+def choose(
+    cfg: FilterConfig, index: GradientIndex | None, folder: Path
+) -> tuple[np.ndarray, np.ndarray, Selection]:
+    """(pool ids, pool scores, the selection), computed on rank 0 alone (no collectives)."""
+    if STRATEGIES[cfg.strategy].kind == "score":
+        return _top_scores(cfg, index, folder)
+    assert index is not None
+    ids = np.asarray(index.ids, np.int64)
+    within = None
+    if cfg.strategy == "balanced" and cfg.within != "random":
+        within = pool_scores(cfg, index, cfg.within)[1]
+        _require_finite(within, cfg.within)
+    features = gradient_features(index, cfg.features, folder)
+    chosen = cover(cfg.strategy, features, selection_size(cfg, len(ids)), within, cfg.runtime.seed)
+    (folder / FEATURES_FILE).unlink(missing_ok=True)  # a pool-sized scratch file
+    scores = np.zeros(len(ids))
+    scores[chosen.positions] = chosen.weights if chosen.weights is not None else 1.0
+    return ids, scores, chosen
+
+
+def _top_scores(
+    cfg: FilterConfig, index: GradientIndex | None, folder: Path
+) -> tuple[np.ndarray, np.ndarray, Selection]:
+    """The top (or bottom) k scores, among the examples --dedup keeps."""
+    ids, scores = pool_scores(cfg, index, cfg.strategy)
+    _require_finite(scores, cfg.strategy)
+    k = selection_size(cfg, len(ids))
+    candidates = np.arange(len(ids))
+    if cfg.dedup is not None:
+        assert index is not None  # pool_index built one
+        features = gradient_features(index, cfg.features, folder)
+        order = -scores if cfg.lowest else scores  # the best-ranked of near-duplicates is kept
+        kept = cover("dedup", features, 1, order, cfg.runtime.seed, DedupOptions(threshold=cfg.dedup))
+        (folder / FEATURES_FILE).unlink(missing_ok=True)
+        candidates = np.sort(kept.positions)
+        if len(candidates) < k:
+            raise AssayError(
+                f"only {len(candidates)} examples are left after --dedup {cfg.dedup}; keep fewer"
+            )
+    chosen = candidates[select_top(ids[candidates], scores[candidates], k, cfg.lowest)]
+    return ids, scores, Selection(chosen, None, {"kept_after_dedup": int(len(candidates))})
+
+
+def _require_finite(scores: np.ndarray, name: str) -> None:
+    if not np.isfinite(scores).all():
+        raise AssayError(f"{name} produced non-finite scores; check the model and the index")
+
+
+def write_selection(folder: Path, ids: np.ndarray, scores: np.ndarray, chosen: Selection) -> None:
+    """selection.jsonl (rank order; with each example's weight when the strategy gives one),
+    selected_ids.txt, and every pool score (ids.npy, scores.npy)."""
+    records = []
+    for rank, pos in enumerate(chosen.positions):
+        record: dict[str, Any] = {"id": int(ids[pos]), "score": float(scores[pos]), "rank": rank}
+        if chosen.weights is not None:
+            record["weight"] = float(chosen.weights[rank])
+        records.append(record)
+    write_jsonl(folder / "selection.jsonl", records)
+    (folder / "selected_ids.txt").write_text("".join(f"{int(ids[p])}\n" for p in chosen.positions))
     np.save(folder / "ids.npy", ids.astype(np.int64))
     np.save(folder / "scores.npy", scores.astype(np.float64))
 
 
 def select(cfg: FilterConfig) -> dict[str, Any]:
-    """Score the pool, keep the top (or bottom) k, write them with their scores (rank 0 writes)."""
+    """Choose k examples of the pool with the strategy and write them (rank 0 writes)."""
+    dist = Distributed.current()
     with run_folder(cfg.out, "filter", cfg, cfg.overwrite) as run:
-        ids, scores, details = compute_scores(cfg, run.path)
-        k = selection_size(cfg, len(ids))
-        if not np.isfinite(scores).all():
-            raise AssayError(f"{cfg.strategy} produced non-finite scores; check the model and the index")
-        chosen = select_top(ids, scores, k, cfg.lowest)
-        if Distributed.current().is_main:
+        index, details = pool_index(cfg, run.path)
+        ids, scores, chosen = dist.main_only(choose, cfg, index, run.path)
+        if dist.is_main:
             write_selection(run.path, ids, scores, chosen)
+        picked = scores[chosen.positions]
+        facts = {k: v for k, v in chosen.details.items() if isinstance(v, int | float | str)}
         summary = {
-            "strategy": cfg.strategy,
-            "query": cfg.query,
-            "lowest": cfg.lowest,
-            "num_selected": k,
-            "pool_size": len(ids),
-            "score_range": [float(scores[chosen].min()), float(scores[chosen].max())],
-            **details,
-        }
-        if Distributed.current().is_main:
+            "strategy": cfg.strategy, "query": cfg.query, "lowest": cfg.lowest,
+            "num_selected": int(len(chosen.positions)), "pool_size": len(ids),
+            "score_range": [float(picked.min()), float(picked.max())], "weighted": chosen.weights is not None,
+            **({"index": str(index.path), "precision": index.meta["precision"]} if index is not None else {}),
+            **details, **facts,
+        }  # fmt: skip
+        if dist.is_main:
             write_json(run.path / "summary.json", summary)
     return summary
+
+
+def read_weights(folder: str | Path) -> dict[int, float] | None:
+    """{id: weight} of a finished `assay filter` run whose strategy weighs its picks (else None)."""
+    path = Path(folder) / "selection.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
+    if not records or "weight" not in records[0]:
+        return None
+    return {int(r["id"]): float(r["weight"]) for r in records}
 
 
 def read_selection(folder: str | Path) -> np.ndarray:
