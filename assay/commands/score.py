@@ -23,6 +23,7 @@ import tyro
 from assay.attribution.build import GradientSetup, setup_from_index
 from assay.attribution.collector import Objective
 from assay.attribution.index import GradientIndex, open_index
+from assay.attribution.kernel import RunningTop, TopRows
 from assay.attribution.score import (
     ScoreOptions,
     check_compatible,
@@ -38,16 +39,27 @@ from assay.bridge.latent import (
     most_active_latent,
     silent_queries,
 )
-from assay.core.config import QueryConfig
+from assay.core.config import DataConfig, QueryConfig
 from assay.core.console import note, say
 from assay.core.distributed import Distributed
 from assay.core.errors import AssayError
-from assay.core.runs import DONE_FILE, config_from_dict, load_run_config, run_folder, write_json, write_jsonl
-from assay.lm.data import collate, token_batches
+from assay.core.runs import (
+    CONFIG_FILE,
+    DONE_FILE,
+    config_from_dict,
+    load_run_config,
+    read_json,
+    run_folder,
+    write_json,
+    write_jsonl,
+)
+from assay.counterfactual.from_run import ReplayedRun, load_replay, metagradient_scores
+from assay.lm.data import ID_COLUMN, collate, load_table, texts_of, token_batches
 from assay.lm.lean import keep_compute_casts
 from assay.lm.queries import Queries, load_queries
 from assay.sae.config import SaeTrainConfig
 from assay.sae.features import FEATURES_FILE, FeatureBrowser, browse_sae_run, token_text
+from assay.training.finetune import FinetuneConfig
 
 TEXTS_FILE = "texts.jsonl"
 LATENT_FILE = "latent.json"
@@ -63,8 +75,12 @@ class ScoreConfig:
 
     out: tyro.conf.Positional[str]
     """Output folder (top.jsonl, queries.jsonl, summary.json, optional scores.npy)."""
-    index: str
-    """The gradient index folder (the OUT of `assay build`)."""
+    index: str | None = None
+    """The gradient index folder (the OUT of `assay build`) whose rows are scored."""
+    finetune: str | None = None
+    """Instead of an index: a finished, deterministic `assay finetune` run, attributed exactly by
+    metagradients through every one of its optimizer steps (MAGIC; docs/attribution.md). The
+    scores cover its training examples; --mode and the index options do not apply."""
     queries: tyro.conf.OmitArgPrefixes[QueryConfig] = field(default_factory=QueryConfig)
     options: tyro.conf.OmitArgPrefixes[ScoreOptions] = field(default_factory=ScoreOptions)
     save_scores: bool = False
@@ -81,10 +97,22 @@ class ScoreConfig:
     training step raises the feature (see docs/report.md)."""
     latent: int | None = None
     """The SAE latent to attribute (with --query_sae)."""
+    query_batch_size: int = 4
+    """--finetune: queries differentiated together in one reverse pass (each adds about three
+    copies of the trainable parameters to the memory)."""
+    checkpoint_every: int = 1
+    """--finetune: keep the training state every k steps during the replay (1: no recomputation on
+    the way back, the most memory; larger k trades memory for recomputing k - 1 steps per segment)."""
     overwrite: bool = False
     """Replace a finished run in OUT."""
 
     def __post_init__(self) -> None:
+        if (self.index is None) == (self.finetune is None):
+            raise AssayError("give one of --index INDEX (gradient scores) and --finetune RUN (metagradients)")
+        if self.finetune is not None and (self.query_sae is not None or self.options.search != "exact"):
+            raise AssayError("--finetune attributes the queries' losses: no --query_sae, no --search faiss")
+        if self.query_batch_size < 1 or self.checkpoint_every < 0:
+            raise AssayError("--query_batch_size must be >= 1 and --checkpoint_every >= 0")
         if not self.queries.given:
             raise AssayError("give queries: --query_dataset DATASET and/or --query_text TEXT")
         if self.token_batch_size < 1 or self.show < 0:
@@ -123,7 +151,14 @@ def prepare_queries(cfg: ScoreConfig, index: GradientIndex) -> tuple[GradientSet
 
 
 def run_score(cfg: ScoreConfig) -> dict[str, Any]:
-    """Compute the queries' gradients like the index's, score, write OUT, print the table."""
+    """Compute the queries' gradients like the index's, score, write OUT, print the table (or, with
+    --finetune, the metagradient scores)."""
+    if cfg.finetune is not None:
+        summary, records, query_texts, texts = replay_score(cfg)
+        print_table(records, query_texts, texts, cfg.show)
+        say(f"results in {cfg.out}/ (top.jsonl, queries.jsonl{', scores.npy' if cfg.save_scores else ''})")
+        return summary
+    assert cfg.index is not None
     index = open_index(cfg.index)
     setup, queries, grads = prepare_queries(cfg, index)  # user errors surface before OUT.part exists
     if not Distributed.current().is_main:  # rank 0 streams the index and writes OUT
@@ -185,6 +220,89 @@ def write_train_texts(path: Path, index: GradientIndex, records: list[dict], sho
     return texts
 
 
+def replay_score(cfg: ScoreConfig) -> tuple[dict[str, Any], list[dict], dict[Any, str], dict[int, str]]:
+    """(summary, records, query texts, training texts) of metagradient scores through the --finetune
+    run, written like any score run (rank 0 writes; under torchrun each rank replays the run and
+    differentiates every world-th query)."""
+    assert cfg.finetune is not None
+    dist = Distributed.current()
+    replayed = load_replay(cfg.finetune, cfg.device, cfg.checkpoint_every)
+    note(f"replayed {cfg.finetune} in {replayed.replay_seconds:.1f} s (final weights within "
+         f"{replayed.max_weight_difference:.1g} of the saved ones)")  # fmt: skip
+    queries = load_queries(cfg.queries, replayed.max_length, replayed.tokenizer)
+    start = time.perf_counter()
+    scores = _metagradient_columns(cfg, replayed, queries)
+    seconds = time.perf_counter() - start
+    ids = np.asarray(replayed.train.ids)
+    top = RunningTop(scores.shape[0], cfg.options.top_k)
+    top.update(torch.from_numpy(scores.astype(np.float32)), 0)
+    records = dense_records(ids, queries.ids, top.result(), cfg.options.aggregate)
+    listed = {int(p) for r in records for p, _ in r["proponents"] + r["opponents"]}
+    texts = texts_by_id(replayed_data(cfg.finetune), listed)
+    summary = {
+        "finetune": str(cfg.finetune), "mode": "replay", "aggregate": cfg.options.aggregate,
+        "num_queries": len(queries.ids), "num_rows": len(ids), "precision": replayed.policy.name,
+        "replay_seconds": replayed.replay_seconds, "score_seconds": seconds,
+        "max_weight_difference": replayed.max_weight_difference,
+    }  # fmt: skip
+    with run_folder(cfg.out, "score", cfg, cfg.overwrite) as run:
+        if dist.is_main:
+            if cfg.save_scores:
+                np.save(run.path / "scores.npy", scores.astype(np.float32))
+            np.save(run.path / "ids.npy", ids.astype(np.int64))
+            write_jsonl(run.path / "top.jsonl", records)
+            query_rows = [{"query": q, "text": t} for q, t in zip(queries.ids, queries.texts)]
+            write_jsonl(run.path / "queries.jsonl", query_rows)
+            write_jsonl(
+                run.path / TEXTS_FILE, [{"id": i, "loss": None, "text": t} for i, t in sorted(texts.items())]
+            )
+            write_json(run.path / "summary.json", summary)
+    return summary, records, dict(zip(queries.ids, queries.texts)), texts
+
+
+def _metagradient_columns(cfg: ScoreConfig, replayed: ReplayedRun, queries: Queries) -> np.ndarray:
+    """[Q, N] per-query metagradient scores, or [1, N] for --aggregate mean (one reverse pass of the
+    mean query loss) and max; per-query rows are shared out over torchrun ranks."""
+    if cfg.options.aggregate == "mean":
+        return metagradient_scores(replayed, queries.examples, True) / len(queries.ids)
+    dist = Distributed.current()
+    mine = dist.interleave_array(np.arange(len(queries.ids)))
+    part = metagradient_scores(replayed, queries.examples.subset(mine), False, cfg.query_batch_size)
+    scores = np.zeros((len(queries.ids), len(replayed.train)))
+    for positions, rows in dist.gather((mine, part)):
+        scores[positions] = rows
+    return scores.max(axis=0, keepdims=True) if cfg.options.aggregate == "max" else scores
+
+
+def replayed_data(run_dir: str) -> DataConfig:
+    """The training data config of a finetune run folder."""
+    return config_from_dict(FinetuneConfig, read_json(Path(run_dir) / CONFIG_FILE)["config"]).data
+
+
+def texts_by_id(data: DataConfig, ids: set[int]) -> dict[int, str]:
+    """Texts of the given example ids of a dataset ({} when it can no longer be loaded)."""
+    try:
+        table = load_table(data)
+    except AssayError as e:
+        note(f"training texts unavailable ({e}); showing ids only")
+        return {}
+    subset = table.select([i for i, v in enumerate(table[ID_COLUMN]) if int(v) in ids])
+    return dict(zip((int(v) for v in subset[ID_COLUMN]), texts_of(subset, data)))
+
+
+def dense_records(ids: np.ndarray, query_ids: list[Any], top: TopRows, aggregate: str) -> list[dict]:
+    """top.jsonl records (as `top_records` writes them) from a top/bottom of example positions."""
+    names = query_ids if aggregate == "none" else [aggregate]
+    records = []
+    for col, name in enumerate(names):
+        record: dict[str, Any] = {"query": name} | ({"queries": query_ids} if aggregate != "none" else {})
+        for key, rows, values in (("proponents", top.top_rows, top.top_values),
+                                  ("opponents", top.bottom_rows, top.bottom_values)):  # fmt: skip
+            record[key] = [[int(ids[r]), float(v)] for r, v in zip(rows[col].tolist(), values[col].tolist())]
+        records.append(record)
+    return records
+
+
 def fold(text: str, width: int = 90) -> str:
     """One line: newlines shown as ' / ', cut to `width` characters."""
     line = " / ".join(part.strip() for part in text.strip().splitlines() if part.strip())
@@ -207,6 +325,8 @@ def print_table(records: list[dict], query_texts: dict[Any, str], texts: dict[in
 
 def pick_latent(cfg: ScoreConfig, sae_dir: str) -> int:
     """The latent of the SAE in SAE_DIR most active on the queries of `cfg` (summed over tokens)."""
+    if cfg.index is None:
+        raise AssayError("--query_sae needs --index (the latent is attributed through an index)")
     index = open_index(cfg.index)
     setup = setup_from_index(index, cfg.device)
     queries = load_queries(cfg.queries, int(index.meta["data"]["max_length"]), setup.tokenizer)

@@ -21,6 +21,7 @@ from assay.attribution.score import ScoreOptions, check_compatible, query_gradie
 from assay.core.config import DataConfig, ModelConfig, QueryConfig, RuntimeConfig
 from assay.core.errors import AssayError
 from assay.core.runs import DONE_FILE, read_json, write_json
+from assay.counterfactual.from_run import load_replay, metagradient_scores
 from assay.lm.lean import keep_compute_casts
 from assay.lm.queries import load_queries
 
@@ -61,6 +62,7 @@ METHODS: dict[str, Method] = {
     "influence": Method("raw", "influence", "influence with the projected gradients' second moment"),
     "kfac": Method("kfac", "influence", "influence with K-FAC curvature"),
     "ekfac": Method("ekfac", "influence", "influence with EK-FAC curvature"),
+    "replay": Method("", "replay", "exact metagradients through every step of the full run (MAGIC)"),
 }
 
 
@@ -122,6 +124,8 @@ def compute_method(
         return path
     method = METHODS[name]
     start = time.perf_counter()
+    if name == "replay":
+        return _replay_method(setup, precision, pool_ids, query_ids, path)
     index = open_index(build_method_index(setup, method.index, precision))
     built = time.perf_counter() - start
     gradient_setup = setup_from_index(index, setup.runtime.device)
@@ -143,6 +147,33 @@ def compute_method(
     write_json(path.with_suffix(".json"), {
         "method": name, "precision": precision, "mode": method.mode, "index": str(index.path),
         "summary": method.summary, "index_seconds": built, "score_seconds": scored,
+    })  # fmt: skip
+    tmp.replace(path)
+    return path
+
+
+def _replay_method(
+    setup: MethodSetup, precision: str, pool_ids: np.ndarray, query_ids: list[Any], path: Path
+) -> Path:
+    """Metagradient scores through the full run itself (its own precision: `precision` must be it)."""
+    start = time.perf_counter()
+    replayed = load_replay(setup.full_run, setup.runtime.device)
+    if replayed.policy.name != precision:
+        raise AssayError(
+            f"replay differentiates the run at its own precision ({replayed.policy.name}), not {precision}"
+        )
+    queries = load_queries(setup.queries, replayed.max_length, replayed.tokenizer)
+    if [str(q) for q in queries.ids] != [str(q) for q in query_ids]:
+        raise AssayError(f"the queries of replay-{precision} differ from the ground truth's")
+    scores = metagradient_scores(replayed, queries.examples, aggregate=False)
+    order = _positions(np.asarray(replayed.train.ids), pool_ids, f"replay-{precision}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp.npy")
+    np.save(tmp, scores[:, order].astype(np.float32))
+    write_json(path.with_suffix(".json"), {
+        "method": "replay", "precision": precision, "mode": "replay", "index": None,
+        "summary": METHODS["replay"].summary, "index_seconds": replayed.replay_seconds,
+        "score_seconds": time.perf_counter() - start - replayed.replay_seconds,
     })  # fmt: skip
     tmp.replace(path)
     return path

@@ -49,10 +49,14 @@ def _score_run(folder: Path, truth: GroundTruth) -> tuple[str, np.ndarray, dict[
         raise AssayError(f"{folder} aggregated its queries (--aggregate); LDS needs one column per query")
     queries = [json.loads(line) for line in (folder / "queries.jsonl").read_text().splitlines() if line]
     rows = _query_rows(folder, queries, truth)
-    index = open_index(summary["index"])
-    columns = _pool_columns(folder, np.asarray(index.ids), truth.ids)
+    if summary.get("index"):
+        row_ids = np.asarray(open_index(summary["index"]).ids)
+    else:  # metagradients through a finetune run: its training examples, saved beside the scores
+        row_ids = np.load(folder / "ids.npy", allow_pickle=False)
+    columns = _pool_columns(folder, row_ids, truth.ids)
     scores = np.load(folder / "scores.npy", mmap_mode="r", allow_pickle=False)
-    facts = {"mode": summary.get("mode"), "precision": summary.get("precision"), "index": summary["index"]}
+    facts = {"mode": summary.get("mode"), "precision": summary.get("precision"),
+             "index": summary.get("index") or summary.get("finetune")}  # fmt: skip
     return folder.name, np.asarray(scores[rows][:, columns], dtype=np.float32), facts
 
 

@@ -82,7 +82,8 @@ class ValidateConfig:
     """Seed of the subsets (subset m depends on it and m only)."""
     methods: tuple[str, ...] = ()
     """Attribution methods computed here on the full run's model and validated: trackstar, cosine,
-    inner, influence, kfac, ekfac (none by default; the abc preset runs them all)."""
+    inner, influence, kfac, ekfac, replay (exact metagradients through the full run, at the run's
+    own precision only). None by default; the abc preset runs them all."""
     index_precisions: tuple[Literal["fp32", "bf16", "fp16"], ...] = ("fp32",)
     """Precisions each method's index and queries are computed at (one LDS row per precision)."""
     projection_dim: int = 16
@@ -200,12 +201,15 @@ def compute_methods(cfg: ValidateConfig, root: Path, truth: GroundTruth) -> list
         cfg.runtime, cfg.projection_dim, cfg.token_batch_size, cfg.damping,
     )  # fmt: skip
     stages, paths = Stages(root), []
-    for precision in cfg.index_precisions:
-        for name in cfg.methods:
-            label = f"{name}-{precision}"
-            stages.run(f"methods/{label}", root / "methods" / label, compute_method, setup, name, precision,
-                       truth.ids, truth.query_ids)  # fmt: skip
-            paths.append(root / "methods" / f"{label}.npy")
+    gradient_methods = [m for m in cfg.methods if m != "replay"]
+    labels: list[tuple[str, str]] = [(m, p) for p in cfg.index_precisions for m in gradient_methods]
+    if "replay" in cfg.methods:  # the run is differentiated at the precision it was trained at
+        labels.append(("replay", str(read_json(root / "full" / "summary.json")["precision"])))
+    for name, precision in labels:
+        label = f"{name}-{precision}"
+        stages.run(f"methods/{label}", root / "methods" / label, compute_method, setup, name, precision,
+                   truth.ids, truth.query_ids)  # fmt: skip
+        paths.append(root / "methods" / f"{label}.npy")
     return paths
 
 

@@ -127,6 +127,30 @@ def test_score_runs_are_checked_against_the_ground_truth(experiment, capsys):
     assert "other queries" in capsys.readouterr().err
 
 
+def test_replay_scores_a_finished_finetune_and_refuses_one_that_does_not_replay(experiment, capsys):
+    """`assay score --finetune RUN` writes a score run over the run's training examples; validate
+    reads it like any other; a run whose data changed since is refused instead of attributed."""
+    root, cfg, _ = experiment
+    out = root / "replay"
+    query = ["--query_dataset", str(root / "query.jsonl"), "--query_split", "train"]
+    full = str(root / "lds" / "full")
+    assert main(["score", str(out), "--finetune", full, *query, "--save_scores", "--top_k", "3"]) == 0
+    scores = np.load(out / "scores.npy")
+    assert scores.shape == (2, 16) and np.isfinite(scores).all() and np.abs(scores).sum() > 0
+    records = [json.loads(line) for line in (out / "top.jsonl").read_text().splitlines()]
+    assert [pid for pid, _ in records[0]["proponents"]] == list(np.argsort(-scores[0])[:3])  # ids = rows here
+    assert main(["validate", cfg.out, "--scores", str(out)]) == 0
+    assert "replay" in json.loads((root / "lds" / "lds.json").read_text())["results"]
+    pool = root / "pool.jsonl"
+    saved = pool.read_text()
+    pool.write_text(saved.replace("the", "a"))  # same rows, other texts: the run no longer replays
+    try:
+        assert main(["score", str(root / "replay2"), "--finetune", full, *query]) == 2
+        assert "does not reproduce" in capsys.readouterr().err
+    finally:
+        pool.write_text(saved)
+
+
 def test_another_recipe_is_refused_by_name(experiment, tiny_model_dir):
     root, cfg, _ = experiment
     (root / "lds" / "run.json").unlink(missing_ok=True)
