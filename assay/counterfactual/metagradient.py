@@ -66,6 +66,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from assay.core.errors import AssayError
 from assay.core.precision import PrecisionPolicy, full_precision
+from assay.core.progress import Progress
 from assay.counterfactual.replay import (
     CLIP_EPS,
     LossFn,
@@ -195,11 +196,15 @@ def metagradients(
     dtype = adjoint_dtype(replay)
     adjoints = [Adjoint.start(g, dtype) for g in objective_grads]
     out = torch.zeros(len(adjoints), replay.run.num_examples, dtype=torch.float64)
-    for start in sorted(replay.checkpoints, reverse=True):
-        records = replay.segment(start)
-        while records:
-            record = records.pop()  # frees each step's state as soon as it is used
-            reverse_step(replay, start + len(records), record, adjoints, out)
+    done = 0
+    with Progress(len(replay.run.steps), f"metagradients ({len(adjoints)} queries)", unit="step") as bar:
+        for start in sorted(replay.checkpoints, reverse=True):
+            records = replay.segment(start)
+            while records:
+                record = records.pop()  # frees each step's state as soon as it is used
+                reverse_step(replay, start + len(records), record, adjoints, out)
+                done += 1
+                bar.set_done(done)
     replay.load(replay.final)
     return out
 

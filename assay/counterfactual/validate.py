@@ -67,9 +67,9 @@ class ValidateConfig:
     recipe: tyro.conf.OmitArgPrefixes[TrainRecipe] = field(default_factory=TrainRecipe)
     queries: tyro.conf.OmitArgPrefixes[QueryConfig] = field(default_factory=QueryConfig)
     preset: Literal["none", "abc"] = "none"
-    """abc: assay-tiny fine-tuned on a pool of ABC tunes (every collection), held-out tunes as
-    queries, every method at bf16 and fp32 (overrides --model, --dataset, --query*, the recipe
-    and --methods; docs/attribution.md has its table)."""
+    """abc: assay-tiny fine-tuned in fp32 on a pool of ABC tunes (every collection), held-out
+    tunes as queries, every method at bf16 and fp32 (overrides --model, --dataset, --query*,
+    --precision, the recipe and --methods; docs/attribution.md has its table)."""
     pool_size: int = 300
     """Training tunes in the abc preset's pool."""
     query_size: int = 24
@@ -136,8 +136,9 @@ def resolve(cfg: ValidateConfig, root: Path) -> ValidateConfig:
     queries = QueryConfig(query_dataset=files["query"], query_split="train")
     methods = cfg.methods or tuple(METHODS)
     precisions = cfg.index_precisions if cfg.index_precisions != ("fp32",) else ("bf16", "fp32")
+    runtime = replace(cfg.runtime, precision="fp32")  # the reference run: replayed exactly, in fp32
     return replace(cfg, model=ModelConfig(model="assay-tiny"), data=data, queries=queries, recipe=ABC_RECIPE,
-                   methods=methods, index_precisions=precisions)  # fmt: skip
+                   runtime=runtime, methods=methods, index_precisions=precisions)  # fmt: skip
 
 
 def full_config(cfg: ValidateConfig, root: Path) -> FinetuneConfig:

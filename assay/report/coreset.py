@@ -134,12 +134,16 @@ def loss_curves(root: Path, labels: dict[str, str]) -> str:
 
 def selection_block(facts: dict[str, Any], labels: dict[str, str]) -> str:
     out = ""
-    overlap = facts.get("overlap_trackstar_bf16_fp32")
-    if overlap is not None:
-        out += h.tiles([("TrackStar bf16 ∩ fp32 selection", f"{overlap:.1%}")])
+    overlaps = facts.get("overlap_bf16_fp32") or {}
+    if "overlap_trackstar_bf16_fp32" in facts:  # experiments made before every strategy was compared
+        overlaps = {"trackstar": facts["overlap_trackstar_bf16_fp32"]}
+    if overlaps:
+        out += h.tiles(
+            [(f"{labels.get(k, k)}: bf16 ∩ fp32 selection", f"{v:.1%}") for k, v in overlaps.items()]
+        )
         out += (
-            "<p class='muted'>Share of the TrackStar selection made from the bf16 index that the fp32 index "
-            "also selects: mixed-precision attribution picks (almost) the same data.</p>"
+            "<p class='muted'>Share of each selection made from the bf16 index that the fp32 index also "
+            "selects: mixed-precision attribution picks (almost) the same data.</p>"
         )
     shares = facts.get("collection_share")
     if shares:

@@ -29,6 +29,7 @@ from assay.core.errors import AssayError
 from assay.core.experiment import Stages, finish_experiment, open_experiment
 from assay.lm.presets import prepare_preset
 from assay.selection.filter import FilterConfig, select
+from assay.selection.strategies import STRATEGIES, StrategyName
 from assay.selection.tables import write_report
 from assay.training.finetune import FinetuneConfig, finetune
 from assay.training.recipe import TrainRecipe
@@ -59,10 +60,19 @@ class CoresetConfig:
     """Training seeds (random selection is redrawn per seed; seed[0]'s full run is the warm-up)."""
     fraction: float = 0.1
     """Fraction of the pool each strategy keeps."""
-    strategies: tuple[str, ...] = ("random", "loss", "gradcos", "trackstar")
-    """Selection strategies to compare with the full data."""
-    index_precisions: tuple[str, ...] = ("bf16", "fp32")
-    """Precisions the gradient index is built at (TrackStar gets one row per precision)."""
+    strategies: tuple[StrategyName, ...] = (
+        "random",
+        "loss",
+        "gradcos",
+        "trackstar",
+        "facility",
+        "kcenter",
+        "balanced",
+    )
+    """Selection strategies to compare with the full data (see `assay filter --help`)."""
+    index_precisions: tuple[Literal["bf16", "fp32", "fp16"], ...] = ("bf16", "fp32")
+    """Precisions the gradient index is built at: TrackStar is retrained once per precision; every
+    gradient strategy also selects at each, and the selections' agreement is reported."""
     query: Literal["self", "eval"] = "self"
     """self: coreset selection; eval: targeted selection with --query_dataset."""
     query_dataset: str | None = None
@@ -94,11 +104,9 @@ class CoresetConfig:
     """Redo a finished experiment in OUT from scratch."""
 
     def __post_init__(self) -> None:
-        unknown = set(self.strategies) - {"random", "loss", "gradcos", "trackstar"}
+        unknown = set(self.strategies) - set(STRATEGIES)
         if unknown:
-            raise AssayError(
-                f"unknown strategy {sorted(unknown)[0]!r}; choose from random, loss, gradcos, trackstar"
-            )
+            raise AssayError(f"unknown strategy {sorted(unknown)[0]!r}; choose from {', '.join(STRATEGIES)}")
         if not self.seeds:
             raise AssayError("--seeds needs at least one seed")
         if not 0.0 < self.fraction < 1.0:
@@ -202,10 +210,18 @@ def select_stage(cfg: CoresetConfig, lay: Layout, row: str, seed: int) -> None:
 
 def rows_of(cfg: CoresetConfig) -> list[str]:
     """Table rows after "full": one per strategy, TrackStar once per index precision."""
-    rows = []
+    rows: list[str] = []
     for s in cfg.strategies:
         rows += [f"trackstar_{p}" for p in cfg.index_precisions] if s == "trackstar" else [s]
     return rows
+
+
+def agreement_rows(cfg: CoresetConfig) -> tuple[str, ...]:
+    """Selections made (not retrained) to compare precisions: every gradient strategy at every
+    index precision, for the first seed."""
+    gradient = [s for s in cfg.strategies if STRATEGIES[s].needs_index]
+    rows = [f"{s}_{p}" for s in gradient for p in cfg.index_precisions]
+    return tuple(r for r in rows if r not in rows_of(cfg)) if len(cfg.index_precisions) > 1 else ()
 
 
 def run_stages(cfg: CoresetConfig, lay: Layout, stages: Stages) -> None:
@@ -216,9 +232,13 @@ def run_stages(cfg: CoresetConfig, lay: Layout, stages: Stages) -> None:
         finetune,
         finetune_config(cfg, lay, lay.full(first), first, None),
     )
-    needs_index = {p for r in rows_of(cfg) if r != "random" for p in [r.partition("_")[2] or "fp32"]}
+    rows = [*rows_of(cfg), *agreement_rows(cfg)]
+    needs_index = {p for r in rows if r != "random" for p in [r.partition("_")[2] or "fp32"]}
     for precision in sorted(needs_index):
         stages.run(f"index/{precision}", lay.index(precision), index_stage, cfg, lay, precision)
+    for row in agreement_rows(cfg):
+        chosen = lay.selection(row, first)
+        stages.run(f"select/{chosen.name}", chosen, select_stage, cfg, lay, row, first)
     for seed in cfg.seeds:
         full = lay.full(seed)
         stages.run(f"full/seed{seed}", full, finetune, finetune_config(cfg, lay, full, seed, None))
@@ -233,7 +253,7 @@ def run_stages(cfg: CoresetConfig, lay: Layout, stages: Stages) -> None:
 
 def finish(cfg: CoresetConfig, lay: Layout, root: Path) -> dict[str, Any]:
     """The report (results.json, results.md, curves.png), then the experiment's run.json."""
-    results = write_report(cfg, lay, rows_of(cfg), root)
+    results = write_report(cfg, lay, rows_of(cfg), root, agreement_rows(cfg))
     finish_experiment(root)
     return results
 

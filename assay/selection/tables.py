@@ -18,6 +18,9 @@ LABELS = {
     "gradcos": "gradient cosine",
     "trackstar_bf16": "TrackStar bf16",
     "trackstar_fp32": "TrackStar fp32",
+    "facility": "facility location (CRAIG)",
+    "kcenter": "k-center",
+    "balanced": "cluster-balanced",
 }
 
 
@@ -52,23 +55,30 @@ def collect_rows(cfg: Any, lay: Any, rows: list[str]) -> dict[str, dict[str, Any
         }
     if "random" in out:
         base = np.asarray(out["random"]["eval_loss"])
+        full = np.asarray(out["full"]["eval_loss"])
         for entry in out.values():
             diff = np.asarray(entry["eval_loss"]) - base
             entry["eval_vs_random"] = {
                 "mean": float(diff.mean()),
                 "wins": int((diff < 0).sum()),
                 "of": len(diff),
+                # share of the random-to-full gap this selection closes (1: as good as full data)
+                "gap_closed": float(np.mean(-diff / np.where(base - full == 0, np.nan, base - full))),
             }
     return out
 
 
-def selection_facts(cfg: Any, lay: Any, rows: list[str]) -> dict[str, Any]:
-    """bf16 vs fp32 TrackStar overlap, and (with a collection column) the share of each collection."""
+def selection_facts(cfg: Any, lay: Any, rows: list[str], agreement: tuple[str, ...] = ()) -> dict[str, Any]:
+    """bf16 vs fp32 overlap of every gradient strategy's selection, and (with a collection column)
+    the share of each collection."""
     seed = cfg.seeds[0]
-    chosen = {row: read_selection(lay.selection(row, seed)) for row in rows}
-    facts: dict[str, Any] = {}
-    if "trackstar_bf16" in chosen and "trackstar_fp32" in chosen:
-        facts["overlap_trackstar_bf16_fp32"] = overlap(chosen["trackstar_bf16"], chosen["trackstar_fp32"])
+    chosen = {row: read_selection(lay.selection(row, seed)) for row in [*rows, *agreement]}
+    facts: dict[str, Any] = {"overlap_bf16_fp32": {}}
+    for row in chosen:
+        name, _, precision = row.partition("_")
+        pair = (f"{name}_bf16", f"{name}_fp32" if f"{name}_fp32" in chosen else name)
+        if precision == "bf16" and pair[1] in chosen:
+            facts["overlap_bf16_fp32"][name] = overlap(chosen[pair[0]], chosen[pair[1]])
     pool_file = Path(lay.data.dataset)
     if pool_file.suffix == ".jsonl":
         with open(pool_file, encoding="utf-8") as f:
@@ -100,24 +110,23 @@ def markdown(results: dict[str, Any]) -> str:
     n = len(results["seeds"])
     lines = [
         f"| selection | examples | pool loss (mean ± std) | eval loss (mean ± std) "
-        f"| eval − random (wins of {n}) | per-seed eval | wall s / run |",
-        "|---|---:|---:|---:|---:|---|---:|",
+        f"| eval − random (wins of {n}) | gap to full closed | per-seed eval | wall s / run |",
+        "|---|---:|---:|---:|---:|---:|---|---:|",
     ]
     for row in rows.values():
         p, e, w = row["pool_loss_stats"], row["eval_loss_stats"], row["wall_s_stats"]
         pool_text = "–" if np.isnan(p["mean"]) else f"{p['mean']:.4f} ± {p['std']:.4f}"
         vs = row.get("eval_vs_random")
         vs_text = f"{vs['mean']:+.4f} ({vs['wins']}/{vs['of']})" if vs else "–"
+        gap = f"{vs['gap_closed']:.0%}" if vs and np.isfinite(vs["gap_closed"]) else "–"
         seeds = ", ".join(f"{v:.4f}" for v in row["eval_loss"])
         lines.append(
             f"| {row['label']} | {row['examples']} | {pool_text} "
-            f"| {e['mean']:.4f} ± {e['std']:.4f} | {vs_text} | {seeds} | {w['mean']:.1f} |"
+            f"| {e['mean']:.4f} ± {e['std']:.4f} | {vs_text} | {gap} | {seeds} | {w['mean']:.1f} |"
         )
-    if "overlap_trackstar_bf16_fp32" in facts:
-        lines += [
-            "",
-            f"TrackStar selection overlap, bf16 vs fp32 index: {facts['overlap_trackstar_bf16_fp32']:.1%}",
-        ]
+    if facts.get("overlap_bf16_fp32"):
+        shown = ", ".join(f"{LABELS.get(k, k)} {v:.0%}" for k, v in facts["overlap_bf16_fp32"].items())
+        lines += ["", f"Selection overlap, bf16 vs fp32 index: {shown}"]
     if "collection_share" in facts:
         lines += [
             "",
@@ -171,13 +180,15 @@ def plot_curves(lay: Any, rows: list[str], seed: int, path: Path) -> None:
     plt.close(fig)
 
 
-def write_report(cfg: Any, lay: Any, rows: list[str], root: Path) -> dict[str, Any]:
+def write_report(
+    cfg: Any, lay: Any, rows: list[str], root: Path, agreement: tuple[str, ...] = ()
+) -> dict[str, Any]:
     results = {
         "seeds": list(cfg.seeds),
         "fraction": cfg.fraction,
         "query": lay.query,
         "rows": collect_rows(cfg, lay, rows),
-        "selection": selection_facts(cfg, lay, rows),
+        "selection": selection_facts(cfg, lay, rows, agreement),
         "stage_s": stage_times(root),
     }
     write_json(root / "results.json", results)
