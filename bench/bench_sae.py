@@ -28,9 +28,9 @@ from assay.core.paths import cache_dir  # noqa: E402
 from assay.core.precision import PrecisionPolicy  # noqa: E402
 from assay.lm.data import load_examples  # noqa: E402
 from assay.lm.models import load_model, load_tokenizer  # noqa: E402
-from assay.sae import train as train_mod  # noqa: E402
+from assay.sae import optim as optim_mod  # noqa: E402
 from assay.sae.activations import LMActivations, pack_contexts, write_cache  # noqa: E402
-from assay.sae.config import SaeArchConfig  # noqa: E402
+from assay.sae.config import SaeArchConfig, default_aux_window  # noqa: E402
 from assay.sae.metrics import DeadLatents  # noqa: E402
 from assay.sae.model import SparseAutoencoder  # noqa: E402
 from assay.sae.optim import averaged  # noqa: E402
@@ -104,12 +104,14 @@ def run_ours(
     opt = make_optimizer(sae, lr, args.optimizer, args.momentum, args.r)
     if args.plain_encoder_step:  # signum's ablation: W_enc steps as far as every other weight
         opt.param_groups[0]["step_scale"] = 1.0
-    train_mod.RENORM = args.renorm
+    optim_mod.RENORM = args.renorm
     # signum: schedule-free, so no decay; warm-up only with --signum_warmup
     signum = (args.signum_warmup, args.signum_decay)
     warmup, decay = signum if args.optimizer == "signum" else (args.warmup, args.decay)
     policy = PrecisionPolicy.resolve(precision)
-    dead = DeadLatents(d_sae, window=DEAD_WINDOW_STEPS * args.batch, aux_window=args.aux_window)
+    window = DEAD_WINDOW_STEPS * args.batch
+    aux_window = args.aux_window or default_aux_window(args.architecture, args.optimizer, args.batch, window)
+    dead = DeadLatents(d_sae, window=window, aux_window=aux_window)  # AuxK: assay's default window
     timer = Timer()
     for i, x in enumerate(data):
         timer.step(i)
@@ -206,7 +208,7 @@ def main() -> None:
     p.add_argument("--kernels", nargs="+", default=["sparse"], choices=["sparse", "dense"])
     p.add_argument("--inits", nargs="+", default=["auto"], choices=["auto", "unit", "small"])
     p.add_argument("--no_fit", action="store_true", help="unit start: encoder = plain transpose")
-    p.add_argument("--architecture", default="topk", choices=["topk", "batchtopk"])
+    p.add_argument("--architecture", default="topk", choices=["topk", "batchtopk", "matryoshka"])
     p.add_argument("--k", type=int, default=32)
     p.add_argument("--batch", type=int, default=4096)
     p.add_argument("--steps", type=int, default=100)
@@ -226,7 +228,9 @@ def main() -> None:
     p.add_argument("--encoder_step", type=float, default=None, help="signum: W_enc's relative step factor")
     p.add_argument("--plain_encoder_step", action="store_true", help="signum: W_enc steps like the rest")
     p.add_argument("--aux_k", type=int, default=None, help="AuxK latents per token (default k)")
-    p.add_argument("--aux_window", type=int, default=None, help="AuxK: tokens silent (default: dead window)")
+    p.add_argument(
+        "--aux_window", type=int, default=None, help="AuxK: tokens silent (default: assay's default)"
+    )
     p.add_argument("--seed", type=int, default=0, help="batch order and initialisation")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--out", type=Path, default=None)
@@ -243,8 +247,8 @@ def main() -> None:
     if args.mode == "prepare":
         prepare(args)
         return
-    train_mod.SIGNUM_LR_C = args.lr_c or train_mod.SIGNUM_LR_C
-    train_mod.SIGNUM_ENCODER_STEP = args.encoder_step or train_mod.SIGNUM_ENCODER_STEP
+    optim_mod.SIGNUM_LR_C = args.lr_c or optim_mod.SIGNUM_LR_C
+    optim_mod.SIGNUM_ENCODER_STEP = args.encoder_step or optim_mod.SIGNUM_ENCODER_STEP
     d_in = int(json.loads((args.acts / "train" / "meta.json").read_text())["d_in"])
     for _ in range(args.repeats):  # alternate configurations within each repeat
         for e in args.expansion:

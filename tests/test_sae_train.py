@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 from assay.core.config import DataConfig, ModelConfig, RuntimeConfig
 from assay.core.precision import PrecisionPolicy
+from assay.sae import loop as loop_mod
 from assay.sae import train as train_mod
 from assay.sae.activations import (
     CachedActivations,
@@ -35,12 +36,16 @@ HOOK = "model.layers.0"
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:  # type: ignore[no-untyped-def]
-    """~400 short documents mixing the sample texts (a few thousand tokens)."""
-    path = tmp_path_factory.mktemp("sae-data") / "docs.jsonl"
+    """~400 short documents mixing the sample texts (a few thousand tokens), as a saved dataset
+    folder with a train split and a held-out eval split of 80 more."""
+    from datasets import Dataset, DatasetDict
+
     rng = random.Random(0)
-    with open(path, "w") as f:
-        for _ in range(400):
-            f.write(json.dumps({"text": " ".join(rng.sample(SAMPLE_TEXTS, 2))}) + "\n")
+    rows = [{"text": " ".join(rng.sample(SAMPLE_TEXTS, 2))} for _ in range(480)]
+    path = tmp_path_factory.mktemp("sae-data") / "docs"
+    DatasetDict({"train": Dataset.from_list(rows[:400]), "eval": Dataset.from_list(rows[400:])}).save_to_disk(
+        str(path)
+    )
     return path
 
 
@@ -163,7 +168,7 @@ def _cfg(tiny_model_dir, corpus, out, **kw) -> SaeTrainConfig:  # type: ignore[n
         lr_warmup_steps=2,
         metrics_every=2,
         checkpoint_every=4,
-        eval_contexts=6,
+        eval_contexts=kw.pop("eval_contexts", 6),
         **kw,
     )
 
@@ -174,7 +179,7 @@ def test_resume_reaches_exactly_the_uninterrupted_weights(
 ) -> None:  # type: ignore[no-untyped-def]
     kw = {"architecture": "batchtopk", "optimizer": optimizer}
     straight = train_mod.train_sae(_cfg(tiny_model_dir, corpus, tmp_path / "a", **kw))
-    real_step, calls = train_mod.train_step, {"n": 0}
+    real_step, calls = loop_mod.train_step, {"n": 0}
 
     def crashing_step(*args, **kwargs):  # type: ignore[no-untyped-def]
         calls["n"] += 1
@@ -182,12 +187,12 @@ def test_resume_reaches_exactly_the_uninterrupted_weights(
             raise KeyboardInterrupt
         return real_step(*args, **kwargs)
 
-    monkeypatch.setattr(train_mod, "train_step", crashing_step)
+    monkeypatch.setattr(loop_mod, "train_step", crashing_step)
     cfg_b = _cfg(tiny_model_dir, corpus, tmp_path / "b", **kw)
     with pytest.raises(KeyboardInterrupt):
         train_mod.train_sae(cfg_b)
     assert (tmp_path / "b.part" / "checkpoint" / "state.json").exists()
-    monkeypatch.setattr(train_mod, "train_step", real_step)
+    monkeypatch.setattr(loop_mod, "train_step", real_step)
     resumed = train_mod.train_sae(cfg_b)
     wa, wb = (
         load_file(str(tmp_path / "a" / "sae_weights.safetensors")),
@@ -236,3 +241,60 @@ def test_train_then_eval_command_on_the_saved_folder(tiny_model_dir, corpus, tmp
     for key in ("ce_clean", "ce_spliced", "ce_zero", "kl", "fvu", "l0"):  # same held-out contexts
         assert saved[key] == pytest.approx(summary[f"eval/{key}"], rel=1e-4, abs=1e-6), key
     assert "ce_loss_score" in capsys.readouterr().out
+
+
+def test_transcoder_trains_from_an_mlp_input_to_its_output_and_splices_its_prediction(
+    tiny_model_dir, corpus, model, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    from assay.sae.saelens_format import load_sae
+
+    # the random model's MLP outputs are near 0 (splicing them changes nothing): predict block 1's
+    # output from block 0's MLP input instead, which exercises the same two-hook path
+    mlp_in, mlp_out = "model.layers.0.post_attention_layernorm", "model.layers.1"
+    cfg = _cfg(tiny_model_dir, corpus, tmp_path / "tc", architecture="relu", hookpoint_out=mlp_out)
+    cfg.hookpoint = mlp_in
+    summary = train_mod.train_sae(cfg)
+    assert (summary["d_in"], summary["d_out"], summary["hookpoint_out"]) == (32, 32, mlp_out)
+    assert summary["fvu"] < 1.0 and np.isfinite(summary["eval/fvu"])  # training predicts better than the mean
+    tc, meta = load_sae(tmp_path / "tc")
+    assert tc.transcoder and meta["hook_name"] == mlp_in and meta["hook_name_out"] == mlp_out
+    # reference: hooks that capture the MLP's input and replace its output by the prediction
+    ids = torch.from_numpy(pack_contexts(np.arange(6 * 16) % model.config.vocab_size, 16))
+    got = splice_metrics(model, tc, mlp_in, ids.numpy(), hookpoint_out=mlp_out)
+    seen: dict = {}
+    h1 = model.get_submodule(mlp_in).register_forward_hook(lambda m, i, o: seen.update(x=o))  # a tensor
+    h2 = model.get_submodule(mlp_out).register_forward_hook(
+        lambda m, i, o: (
+            (tc.reconstruct(seen["x"]), *o[1:]) if isinstance(o, tuple) else tc.reconstruct(seen["x"])
+        )
+    )
+    try:
+        with torch.no_grad():
+            spliced = model(input_ids=ids).logits.double()
+    finally:
+        h1.remove()
+        h2.remove()
+    ce = F.cross_entropy(spliced[:, :-1].reshape(-1, spliced.shape[-1]), ids[:, 1:].reshape(-1))
+    assert got["ce_spliced"] == pytest.approx(float(ce), rel=1e-4)
+    assert got["ce_spliced"] != pytest.approx(got["ce_clean"], abs=1e-4)
+
+
+def test_several_saes_from_one_pass_equal_the_same_saes_trained_alone(
+    tiny_model_dir, corpus, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    hooks = ["model.layers.0", "model.layers.1"]
+    multi = _cfg(
+        tiny_model_dir, corpus, tmp_path / "multi", hookpoints=hooks, sweep_k=[4, 8], eval_contexts=0
+    )
+    summary = train_mod.train_sae(multi)
+    assert sorted(summary["saes"]) == [f"{h}-k{k}" for h in hooks for k in (4, 8)]
+    for hook, k in ((hooks[0], 8), (hooks[1], 4)):  # two of the four, alone (a third of the time)
+        alone = _cfg(tiny_model_dir, corpus, tmp_path / f"{hook}-{k}", eval_contexts=0)
+        alone.hookpoint, alone.sae.k = hook, k
+        train_mod.train_sae(alone)
+        wa = load_file(str(tmp_path / f"{hook}-{k}" / "sae_weights.safetensors"))
+        wb = load_file(str(tmp_path / "multi" / f"{hook}-k{k}" / "sae_weights.safetensors"))
+        for name in wa:
+            assert torch.equal(wa[name], wb[name]), (hook, k, name)
+        got = summary["saes"][f"{hook}-k{k}"]
+        assert got["hookpoint"] == hook and got["l0"] <= k

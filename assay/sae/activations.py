@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -33,7 +33,8 @@ CACHE_ARRAY = "activations.npy"
 class ActivationSource(Protocol):
     n_contexts: int
     context_length: int
-    d_in: int
+    d_in: int  # the row width: the sum of `widths`
+    widths: list[int]  # the hookpoints' widths, side by side in a row
 
     def rows(self, contexts: np.ndarray) -> torch.Tensor:
         """[len(contexts) * context_length, d_in] fp32 activations, context-major."""
@@ -51,27 +52,40 @@ def pack_contexts(tokens: np.ndarray, context_length: int) -> np.ndarray:
 @torch.no_grad()
 def capture(model: Any, hookpoint: str, input_ids: torch.Tensor) -> torch.Tensor:
     """[B, T, d] output of module `hookpoint` on input_ids [B, T]; the forward stops there."""
-    module = get_module(model, hookpoint)
+    return capture_many(model, [hookpoint], input_ids)[0]
+
+
+@torch.no_grad()
+def capture_many(model: Any, hookpoints: Sequence[str], input_ids: torch.Tensor) -> list[torch.Tensor]:
+    """[B, T, d_i] outputs of each module in `hookpoints` on input_ids [B, T], from one forward
+    that stops once the last of them has run."""
+    modules = {name: get_module(model, name) for name in hookpoints}
     got: dict[str, torch.Tensor] = {}
 
-    def hook(_name: str, _mod: Any, _inp: Any, out: Any) -> None:
-        got["x"] = output_tensor(out).detach()
-        raise StopForward
+    def hook(name: str, _mod: Any, _inp: Any, out: Any) -> None:
+        got[name] = output_tensor(out).detach()
+        if len(got) == len(modules):
+            raise StopForward
 
-    with forward_hooks({hookpoint: module}, hook), contextlib.suppress(StopForward):
+    with forward_hooks(modules, hook), contextlib.suppress(StopForward):
         model(input_ids=input_ids)
-    if "x" not in got:
-        raise AssayError(f"module {hookpoint!r} did not run in the model's forward")
-    return got["x"]
+    missing = [name for name in modules if name not in got]
+    if missing:
+        raise AssayError(f"module {missing[0]!r} did not run in the model's forward")
+    return [got[name] for name in hookpoints]
 
 
 class LMActivations:
-    """Activations streamed from the model, `batch_contexts` contexts per forward."""
+    """Activations streamed from the model, `batch_contexts` contexts per forward.
+
+    With several hookpoints (a transcoder's input and output, or several SAEs trained from one
+    pass) a row is their activations side by side: [d_1 | d_2 | ...], `widths` their sizes.
+    """
 
     def __init__(
         self,
         model: Any,
-        hookpoint: str,
+        hookpoint: str | Sequence[str],
         contexts: np.ndarray,
         policy: PrecisionPolicy,
         autocast_lm: bool = False,
@@ -79,15 +93,21 @@ class LMActivations:
     ):
         self.model, self.hookpoint, self.contexts = model, hookpoint, contexts
         self.policy, self.autocast_lm, self.batch_contexts = policy, autocast_lm, batch_contexts
+        self.hookpoints = [hookpoint] if isinstance(hookpoint, str) else list(hookpoint)
         self.n_contexts, self.context_length = contexts.shape
-        self.d_in = int(self._forward(contexts[:1]).shape[-1])
+        self.widths: list[int] = []
+        self.widths = [int(a.shape[-1]) for a in self._capture(contexts[:1])]
+        self.d_in = sum(self.widths)
 
-    def _forward(self, ctx_tokens: np.ndarray) -> torch.Tensor:
+    def _capture(self, ctx_tokens: np.ndarray) -> list[torch.Tensor]:
         ids = torch.from_numpy(ctx_tokens).to(self.policy.device)
         region = self.policy.autocast() if self.autocast_lm else contextlib.nullcontext()
         with region:
-            acts = capture(self.model, self.hookpoint, ids)
-        return acts.float().reshape(-1, acts.shape[-1])
+            return capture_many(self.model, self.hookpoints, ids)
+
+    def _forward(self, ctx_tokens: np.ndarray) -> torch.Tensor:
+        parts = [a.float().reshape(-1, a.shape[-1]) for a in self._capture(ctx_tokens)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # [B*T, sum of widths]
 
     def rows(self, contexts: np.ndarray) -> torch.Tensor:
         parts = [
@@ -106,6 +126,7 @@ class CachedActivations:
         self.n_contexts = int(self.meta["n_contexts"])
         self.context_length = int(self.meta["context_length"])
         self.d_in = int(self.meta["d_in"])
+        self.widths = [int(w) for w in self.meta.get("widths", [self.d_in])]  # hookpoints side by side
         flat = np.load(self.folder / CACHE_ARRAY, mmap_mode="r", allow_pickle=False)
         self.array = flat.reshape(self.n_contexts, self.context_length, self.d_in)
 
@@ -133,7 +154,11 @@ def write_cache(source: ActivationSource, folder: Path | str, key: dict[str, Any
             bar.update(len(idx), len(idx) * t)
     out.flush()
     del out
-    write_json(tmp / CACHE_META, {**key, "n_contexts": n, "context_length": t, "d_in": d, "dtype": "float32"})
+    meta = {**key, "n_contexts": n, "context_length": t, "d_in": d, "dtype": "float32"}
+    widths = list(getattr(source, "widths", [d]))
+    if len(widths) > 1:  # several hookpoints side by side (older caches hold one)
+        meta["widths"] = widths
+    write_json(tmp / CACHE_META, meta)
     os.replace(tmp, folder)
 
 

@@ -7,15 +7,17 @@ replayed from its saved `config.json`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
 import tyro
 
 from assay.core.config import DataConfig, ModelConfig, RuntimeConfig
 from assay.core.errors import AssayError
+from assay.sae.architectures import architecture_class, names
 
-Architecture = Literal["relu", "topk", "batchtopk", "jumprelu"]
-ARCHITECTURES: tuple[str, ...] = ("relu", "topk", "batchtopk", "jumprelu")
+ARCHITECTURES: tuple[str, ...] = names()
+"""Every registered architecture (one file each under assay/sae/architectures/)."""
+Architecture = Annotated[str, tyro.conf.arg(metavar="{" + ",".join(ARCHITECTURES) + "}")]
 DecoderInit = Literal["auto", "unit", "small"]
 OPTIMIZERS: tuple[str, ...] = ("auto", "adam", "signum")
 FP16_REFUSAL = (
@@ -33,13 +35,15 @@ class SaeArchConfig:
 
     architecture: Architecture = "topk"
     """relu (ReLU + L1), topk (exactly k latents per token), batchtopk (k per token on average
-    over the batch; saved as JumpReLU), jumprelu (learned thresholds, L0 penalty)."""
+    over the batch; saved as JumpReLU), jumprelu (learned thresholds, L0 penalty), matryoshka
+    (Matryoshka BatchTopK: nested prefixes of the latents each reconstruct the input; saved as
+    JumpReLU)."""
     d_sae: int | None = None
     """Number of latents (default: --expansion_factor times the activation width)."""
     expansion_factor: int = 16
     """Latents per activation dimension, used when --d_sae is not given."""
     k: int = 32
-    """Active latents per token for topk / batchtopk."""
+    """Active latents per token for topk / batchtopk / matryoshka."""
     l1_coefficient: float = 5.0
     """Weight of the L1 penalty (relu), on activations times decoder row norms."""
     l0_coefficient: float = 1.0
@@ -58,18 +62,20 @@ class SaeArchConfig:
     row is removed and rows are renormalised after every step), encoder = the decoder's
     transpose, scaled (except jumprelu) so the first batch's reconstruction has the
     least-squares scale (Gao et al., sparsify). small: decoder rows of norm --decoder_init_norm,
-    encoder = its transpose, norms free (the ReLU/L1 recipe). auto: unit for topk/batchtopk,
+    encoder = its transpose, norms free (the ReLU/L1 recipe). auto: unit for topk/batchtopk/matryoshka,
     small for relu/jumprelu (chosen by measurement; docs/BENCHMARKS.md). The default learning
     rate follows the start."""
     decoder_init_norm: float = 0.1
     """Initial norm of each decoder row with --decoder_init small (the encoder is its transpose)."""
+    matryoshka_widths: list[int] | None = None
+    """matryoshka: the nested level widths (strictly increasing; d_sae is added as the last
+    level). Default: d_sae / 16, / 8, / 4, / 2, d_sae."""
     sparse_kernels: bool = True
-    """topk/batchtopk: decode with a sparse gather (embedding_bag) and a sparse encoder
+    """topk/batchtopk/matryoshka: decode with a sparse gather (embedding_bag) and a sparse encoder
     backward instead of dense matmuls (chosen by measurement; see docs/BENCHMARKS.md)."""
 
     def __post_init__(self) -> None:
-        if self.architecture not in ARCHITECTURES:
-            raise AssayError(f"--architecture must be one of {', '.join(ARCHITECTURES)}")
+        architecture_class(self.architecture)  # an AssayError naming the choices
         if self.d_sae is not None and self.d_sae <= 0:
             raise AssayError(f"--d_sae must be positive, got {self.d_sae}")
         if self.expansion_factor <= 0 or self.k <= 0:
@@ -80,12 +86,17 @@ class SaeArchConfig:
             raise AssayError("--decoder_init must be one of auto, unit, small")
         if self.decoder_init_norm <= 0:
             raise AssayError(f"--decoder_init_norm must be positive, got {self.decoder_init_norm}")
+        widths = self.matryoshka_widths or []
+        if any(w <= 0 for w in widths) or any(b <= a for a, b in zip(widths, widths[1:])):
+            raise AssayError(f"--matryoshka_widths must be positive and increasing, got {widths}")
+        if self.d_sae is not None and widths and widths[-1] > self.d_sae:
+            raise AssayError(f"--matryoshka_widths must not exceed --d_sae {self.d_sae}, got {widths}")
 
     @property
     def unit_decoder(self) -> bool:
         """Whether decoder rows start, and stay, at unit norm (--decoder_init resolved)."""
         if self.decoder_init == "auto":
-            return self.architecture in ("topk", "batchtopk")
+            return architecture_class(self.architecture).unit_decoder_default
         return self.decoder_init == "unit"
 
 
@@ -105,7 +116,22 @@ class SaeTrainConfig:
     )
     sae: tyro.conf.OmitArgPrefixes[SaeArchConfig] = field(default_factory=SaeArchConfig)
     hookpoint: str = "model.layers.2"
-    """HF module name whose output is the activation (a tuple output gives its first element)."""
+    """HF module name whose output is the activation (a tuple output gives its first element);
+    a transcoder's input."""
+    hookpoint_out: str | None = None
+    """Train a transcoder: predict this module's output from --hookpoint's output, e.g. an MLP's
+    input and output (Llama: --hookpoint model.layers.2.post_attention_layernorm --hookpoint_out
+    model.layers.2.mlp). Splice metrics replace this module's output with the prediction. Saved
+    as SAELens's transcoder (relu) or jumprelu_transcoder (jumprelu, batchtopk, matryoshka);
+    topk is refused (SAELens has no TopK transcoder)."""
+    hookpoints: list[str] = field(default_factory=list)
+    """Train one SAE per module named here, all from the same forward passes of the model (the
+    activations of every hookpoint are captured at once), each into OUT/HOOKPOINT/. Combines with
+    --sweep_d_sae and --sweep_k (one SAE per combination). Default: --hookpoint alone."""
+    sweep_d_sae: list[int] = field(default_factory=list)
+    """Train one SAE per width named here from the same pass (OUT/HOOKPOINT-dWIDTH/)."""
+    sweep_k: list[int] = field(default_factory=list)
+    """Train one SAE per k named here from the same pass (OUT/HOOKPOINT-kK/; topk-type)."""
     training_tokens: int = 2_000_000
     """Tokens (activation vectors) to train on."""
     batch_tokens: int = 4096
@@ -144,9 +170,10 @@ class SaeTrainConfig:
     dead_window_tokens: int = 1_000_000
     """A latent is dead when it has not fired for this many tokens (the reported fraction)."""
     aux_window_tokens: int | None = None
-    """The AuxK loss trains latents that have not fired for this many tokens (topk/batchtopk;
-    default --dead_window_tokens). Shorter windows keep fewer latents dead in some settings and
-    more in others (docs/BENCHMARKS.md)."""
+    """The AuxK loss trains latents that have not fired for this many tokens (topk-type).
+    Default: 16,384 for topk with signum and batches of >= 4,096 tokens (fewer dead latents and
+    a better FVU there), --dead_window_tokens otherwise (a short window killed latents with
+    batchtopk, smaller batches and Adam; docs/BENCHMARKS.md)."""
     metrics_every: int = 20
     """Steps between lines of metrics.jsonl."""
     eval_every: int = 0
@@ -191,6 +218,13 @@ class SaeTrainConfig:
             raise AssayError("--lr_decay_fraction and --l1_warmup_fraction must lie in [0, 1]")
         if self.autocast_lm and self.runtime.precision == "fp32":
             raise AssayError("--autocast_lm needs --precision bf16")
+        several = bool(self.hookpoints or self.sweep_d_sae or self.sweep_k)
+        if several and self.hookpoint_out:
+            raise AssayError("a transcoder (--hookpoint_out) trains alone: drop --hookpoints/--sweep_*")
+        if several and self.wandb:
+            raise AssayError("--wandb logs one SAE; train several (--hookpoints/--sweep_*) without it")
+        if min([*self.sweep_d_sae, *self.sweep_k, 1]) <= 0:
+            raise AssayError("--sweep_d_sae and --sweep_k must be positive")
 
     @property
     def total_steps(self) -> int:
@@ -219,8 +253,26 @@ class SaeTrainConfig:
 
     @property
     def aux_window(self) -> int:
-        """--aux_window_tokens, or the dead-latent window."""
-        return self.dead_window_tokens if self.aux_window_tokens is None else self.aux_window_tokens
+        """--aux_window_tokens, or the default for the architecture, optimizer and batch size."""
+        if self.aux_window_tokens is not None:
+            return self.aux_window_tokens
+        return default_aux_window(
+            self.sae.architecture, self.optimizer_name, self.batch_tokens, self.dead_window_tokens
+        )
+
+
+SHORT_AUX_MIN_BATCH = 4096
+"""The smallest batch (tokens) at which an architecture's short AuxK window applies."""
+
+
+def default_aux_window(architecture: str, optimizer: str, batch_tokens: int, dead_window: int) -> int:
+    """AuxK's default window in tokens: the architecture's short window under signum with batches
+    of >= SHORT_AUX_MIN_BATCH tokens (topk: 16,384), else the dead-latent window (measured:
+    docs/BENCHMARKS.md)."""
+    short = architecture_class(architecture).aux_window_default
+    if short is not None and optimizer == "signum" and batch_tokens >= SHORT_AUX_MIN_BATCH:
+        return min(short, dead_window)
+    return dead_window
 
 
 def check_sae_precision(name: str) -> None:
@@ -247,13 +299,21 @@ class SaeEvalConfig:
         default_factory=lambda: RuntimeConfig(precision="fp32")
     )
     hookpoint: str | None = None
-    """Module to splice into (default: the SAE's own hook name from cfg.json)."""
+    """Module to splice into (default: the SAE's own hook name from cfg.json); a transcoder's
+    input module."""
+    hookpoint_out: str | None = None
+    """A transcoder's output module, whose output its prediction replaces (default: cfg.json's
+    metadata hook_name_out)."""
     context_length: int | None = None
     """Tokens per context (default: the SAE's training context size)."""
     eval_contexts: int = 64
     """Held-out contexts to evaluate on."""
     out: str | None = None
     """Write eval.json here (default: SAE_DIR/eval.json)."""
+    ground_truth: str | None = None
+    """Score against known features instead of splicing into a model: a ground-truth file
+    (safetensors: feature_vectors, eval_acts, eval_fires; bench/bench_sae_synthetic.py writes
+    one) gives MCC, F1, precision, recall, L0, FVU and the dead fraction (docs/sae.md)."""
 
     def __post_init__(self) -> None:
         check_sae_precision(self.runtime.precision)

@@ -29,11 +29,14 @@ from assay.lm.losses import token_losses
 from assay.lm.models import load_model, load_tokenizer, setup_runtime
 from assay.sae.activations import pack_contexts
 from assay.sae.config import SaeEvalConfig
+from assay.sae.ground_truth import ground_truth_metrics, load_ground_truth
 from assay.sae.metrics import ReconstructionStats
 from assay.sae.model import SparseAutoencoder
 from assay.sae.saelens_format import load_sae
 
 METRIC_ORDER = (
+    "mcc",
+    "f1",
     "ce_clean",
     "ce_spliced",
     "ce_zero",
@@ -54,19 +57,30 @@ def replace_output(output: Any, new: torch.Tensor) -> Any:
 
 
 class _Splicer:
-    """Forward hook: records the activation (clean), or swaps in the reconstruction / zeros."""
+    """Forward hook: records the activation (clean), or swaps in the reconstruction / zeros.
 
-    def __init__(self, sae: SparseAutoencoder, stats: ReconstructionStats):
+    A transcoder reads its input at `hook_in` and replaces (or, clean, is scored against) the
+    output of `hook_out`; an SAE has hook_in == hook_out.
+    """
+
+    def __init__(self, sae: SparseAutoencoder, stats: ReconstructionStats, hook_in: str, hook_out: str):
         self.sae, self.stats, self.mode = sae, stats, "clean"
+        self.hook_in, self.hook_out = hook_in, hook_out
+        self.x: torch.Tensor | None = None  # [B, T, d_in] a transcoder's input of this forward
 
-    def __call__(self, _name: str, _mod: Any, _inp: Any, out: Any) -> Any:
-        h = output_tensor(out)  # [B, T, d_in]
+    def __call__(self, name: str, _mod: Any, _inp: Any, out: Any) -> Any:
+        h = output_tensor(out)  # [B, T, d]
+        if name != self.hook_out:  # a transcoder's input: kept for its output hook
+            self.x = h
+            return None
         if self.mode == "zero":
             return replace_output(out, torch.zeros_like(h))
+        x_in = h if self.hook_in == self.hook_out else self.x
+        assert x_in is not None, "the transcoder's input hook runs before its output hook"
         with full_precision(h.device):  # the SAE runs in fp32 for evaluation
-            x = h.reshape(-1, h.shape[-1]).float() * self.sae.act_scale
+            x = x_in.reshape(-1, x_in.shape[-1]).float() * self.sae.act_scale
             z = self.sae.encode(x)
-            x_hat = self.sae.decode(z) / self.sae.act_scale
+            x_hat = self.sae.decode(z) / self.sae.out_scale
         if self.mode == "clean":
             self.stats.update(h.reshape(-1, h.shape[-1]).float(), x_hat, z)
             return None
@@ -81,14 +95,21 @@ def splice_metrics(
     contexts: np.ndarray,
     batch_contexts: int = 8,
     lm_region: Any = None,
+    hookpoint_out: str | None = None,
 ) -> dict[str, float]:
-    """CE clean/spliced/zero, CE loss score, KL and reconstruction metrics on contexts [n, T]."""
+    """CE clean/spliced/zero, CE loss score, KL and reconstruction metrics on contexts [n, T].
+
+    A transcoder (hookpoint_out given) replaces hookpoint_out's output with its prediction from
+    hookpoint's output; zero-ablation zeroes hookpoint_out's output.
+    """
     device = next(model.parameters()).device
-    stats = ReconstructionStats(sae.d_in, sae.d_sae)
-    splicer = _Splicer(sae, stats)
+    hook_out = hookpoint_out or hookpoint
+    stats = ReconstructionStats(sae.d_out, sae.d_sae)
+    splicer = _Splicer(sae, stats, hookpoint, hook_out)
     sums = {"ce_clean": 0.0, "ce_spliced": 0.0, "ce_zero": 0.0, "kl": 0.0}
     n_targets = n_positions = 0
-    with forward_hooks({hookpoint: get_module(model, hookpoint)}, splicer):
+    modules = {name: get_module(model, name) for name in dict.fromkeys([hookpoint, hook_out])}
+    with forward_hooks(modules, splicer):
         for i in range(0, len(contexts), batch_contexts):
             ids = torch.from_numpy(contexts[i : i + batch_contexts]).to(device)  # [B, T]
             logp = {}
@@ -118,8 +139,16 @@ def format_metrics(metrics: dict[str, float]) -> str:
 
 
 def run_sae_eval(cfg: SaeEvalConfig) -> dict[str, float]:
-    """`assay sae eval`: load an SAE folder, splice it into the model, print and save metrics."""
+    """`assay sae eval`: load an SAE folder, splice it into the model (or score it against a
+    ground-truth file), print and save metrics."""
     sae, meta = load_sae(cfg.sae_dir)
+    if cfg.ground_truth:
+        metrics = ground_truth_metrics(sae, load_ground_truth(cfg.ground_truth))
+        out = Path(cfg.out) if cfg.out else Path(cfg.sae_dir) / "eval.json"
+        write_json(out, {"sae": str(cfg.sae_dir), "ground_truth": cfg.ground_truth, **metrics})
+        say(f"SAE {cfg.sae_dir} against the features of {cfg.ground_truth}:")
+        say(format_metrics(metrics))
+        return metrics
     hookpoint = cfg.hookpoint or meta.get("hook_name")
     if not hookpoint:
         raise AssayError(f"{cfg.sae_dir}/cfg.json names no hook; pass --hookpoint MODULE_NAME")
@@ -129,9 +158,17 @@ def run_sae_eval(cfg: SaeEvalConfig) -> dict[str, float]:
     _, examples = load_examples(cfg.data, tokenizer)
     contexts = pack_contexts(examples.tokens, context_length)[: cfg.eval_contexts]
     model = load_model(cfg.model, policy, cfg.runtime.attention)
-    hidden = get_module(model, hookpoint)  # fail early with the module list
-    del hidden
-    metrics = splice_metrics(model, sae.to(device), hookpoint, contexts, lm_region=policy.autocast())
+    hookpoint_out = (cfg.hookpoint_out or meta.get("hook_name_out")) if sae.transcoder else None
+    if sae.transcoder and not hookpoint_out:
+        raise AssayError(
+            f"{cfg.sae_dir} is a transcoder whose cfg.json names no hook_name_out; pass --hookpoint_out"
+        )
+    for name in (hookpoint, hookpoint_out):
+        if name:
+            get_module(model, name)  # fail early with the module list
+    metrics = splice_metrics(
+        model, sae.to(device), hookpoint, contexts, lm_region=policy.autocast(), hookpoint_out=hookpoint_out
+    )
     metrics.update(eval_tokens=int(contexts.size), context_length=context_length)
     out = Path(cfg.out) if cfg.out else Path(cfg.sae_dir) / "eval.json"
     write_json(out, {"sae": str(cfg.sae_dir), "model": cfg.model.model, "hookpoint": hookpoint, **metrics})

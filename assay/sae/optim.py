@@ -15,11 +15,15 @@ to renormalise decoder rows, without losing the average).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from assay.sae.model import SparseAutoencoder
 
 
 class ScheduleFreeSignSGD(torch.optim.Optimizer):
@@ -121,3 +125,76 @@ def averaged(opt: torch.optim.Optimizer) -> Iterator[None]:
         yield
     finally:
         opt.train()
+
+
+# ---- the SAE's optimizers and their defaults ----------------------------------------
+UNIT_LR_C = 3.2e-3  # default_learning_rate's constant for unit-norm decoders (docs/BENCHMARKS.md)
+SIGNUM_LR_C = 7e-3  # signum's constant (1.4x sparsify's 5e-3; measured, docs/BENCHMARKS.md)
+SIGNUM_ENCODER_STEP = 2**-0.5  # signum: W_enc's steps relative to its size (measured, as above)
+RENORM = "zx"  # signum: which points normalise_decoder puts back on the unit sphere (measured)
+
+
+def default_learning_rate(d_sae: int, unit_decoder: bool = False, optimizer: str = "adam") -> float:
+    """C / sqrt(d_sae / 2^14): Gao et al.'s width scaling (sparsify's Adam: C = 2e-4).
+
+    Small start, C = 8e-4: rows of norm 0.1 must grow; on SmolLM2 activations (576 x 2304, 60
+    steps of 1,024 tokens) held-out FVU was 0.59 / 0.31 / 0.14 / 0.11 / 0.14 at C = 2e-4 x 1 /
+    2 / 4 / 8 / 16. Unit start, C = UNIT_LR_C: on assay-tiny's block 2 (256 x 4096, 100 steps
+    of 4,096 tokens; bench/bench_sae.py --inits unit --lr ...) held-out FVU was 0.055 / 0.039 /
+    0.031 / 0.027 with 2% / 2% / 15% / 56% of latents dead at C = 8e-4 x 1 / 2 / 4 / 8: x 4 is
+    the best FVU short of losing half the latents (docs/BENCHMARKS.md).
+    """
+    if optimizer == "signum":
+        return SIGNUM_LR_C / math.sqrt(d_sae / 2**14)
+    return (UNIT_LR_C if unit_decoder else 8e-4) / math.sqrt(d_sae / 2**14)
+
+
+def make_optimizer(
+    sae: SparseAutoencoder, lr: float, kind: str = "adam", momentum: float = 0.98, average_power: float = 1.0
+) -> torch.optim.Optimizer:
+    """Adam or schedule-free sign-SGD ("signum") on the fp32 parameters (state fp32 too).
+
+    Signum moves every weight by lr per step whatever its size, and the fitted unit start makes
+    the encoder c times smaller than the decoder (c ~ 0.5): W_enc gets its own group whose
+    steps are scaled by its size relative to W_dec's now, times SIGNUM_ENCODER_STEP. Build it
+    after the start is set; a checkpoint restores the scale it was trained with.
+    """
+    if kind == "signum":
+        rest = [p for p in sae.parameters() if p is not sae.W_enc]
+        groups = [{"params": [sae.W_enc], "step_scale": encoder_step_scale(sae)}, {"params": rest}]
+        return ScheduleFreeSignSGD(groups, lr=lr, momentum=momentum, r=average_power)
+    return torch.optim.Adam(sae.parameters(), lr=lr, betas=(0.9, 0.999))
+
+
+@torch.no_grad()
+def encoder_step_scale(sae: SparseAutoencoder) -> float:
+    """SIGNUM_ENCODER_STEP * |W_enc| / |W_dec| (Frobenius norms; 1 where either is 0)."""
+    enc, dec = float(sae.W_enc.float().norm()), float(sae.W_dec.float().norm())
+    ratio = enc / dec if enc > 0 and dec > 0 and math.isfinite(enc / dec) else 1.0
+    return SIGNUM_ENCODER_STEP * ratio
+
+
+@torch.no_grad()
+def normalise_decoder(sae: SparseAutoencoder, opt: torch.optim.Optimizer, where: str | None = None) -> None:
+    """Unit decoder: rows back to norm 1 after a step (fp32).
+
+    Signum (`where`, default RENORM): "zx" puts the rows of z and of the average x on the sphere
+    and recomputes y = beta x + (1 - beta) z (the saved x keeps unit rows); "z" does z only;
+    "y" renormalises y itself and shifts x with it (what renormalising the parameters in place
+    under sparsify's ScheduleFreeWrapper amounts to). Compared in docs/BENCHMARKS.md.
+    """
+    w = sae.W_dec
+    if not sae.arch.unit_decoder:
+        return
+    if not isinstance(opt, ScheduleFreeSignSGD) or "z" not in opt.state.get(w, {}):
+        sae.normalise_decoder_()
+        return
+    where = where or RENORM
+    state = opt.state[w]
+    if where == "y":
+        opt.shift_y_(w, w / w.norm(dim=1, keepdim=True).clamp_min(1e-12))
+        return
+    for key in ("z", "x") if where == "zx" else ("z",):
+        state[key].div_(state[key].norm(dim=1, keepdim=True).clamp_min(1e-12))
+    beta = opt.param_groups[0]["momentum"]
+    w.copy_(state["x"]).lerp_(state["z"], 1 - beta)

@@ -3,13 +3,16 @@
 A folder with:
   cfg.json                 architecture, d_in, d_sae, dtype, device, apply_b_dec_to_input,
                            normalize_activations ("none": normalisation is folded in),
-                           k (topk), metadata {model_name, hook_name, context_size, ...}
-  sae_weights.safetensors  W_enc [d_in, d_sae], b_enc [d_sae], W_dec [d_sae, d_in],
-                           b_dec [d_in], threshold [d_sae] (jumprelu)
+                           k (topk), d_out (transcoders), metadata {model_name, hook_name,
+                           context_size, ..., hook_name_out (transcoders)}
+  sae_weights.safetensors  W_enc [d_in, d_sae], b_enc [d_sae], W_dec [d_sae, d_out],
+                           b_dec [d_out], threshold [d_sae] (JumpReLU-type)
   sparsity.safetensors     `sparsity`: log10 feature densities [d_sae] (optional)
 
-Architecture names map as: relu -> "standard", topk -> "topk", batchtopk and jumprelu ->
-"jumprelu" (BatchTopK becomes a JumpReLU with its learned global threshold at save).
+Each architecture names what it is saved as (`saelens_name`): relu -> "standard", topk ->
+"topk", batchtopk, matryoshka and jumprelu -> "jumprelu" (BatchTopK-type SAEs become a
+JumpReLU with their learned global threshold, as SAELens saves them). A transcoder is saved as
+SAELens's "transcoder" (ReLU) or "jumprelu_transcoder", with apply_b_dec_to_input false.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from safetensors.torch import load_file, save_file
 
 from assay.core.errors import AssayError
 from assay.core.runs import read_json, write_json
+from assay.sae.architectures import REGISTRY, Architecture, saved_as
 from assay.sae.config import SaeArchConfig
 from assay.sae.model import SparseAutoencoder
 
@@ -30,7 +34,20 @@ CFG_FILE = "cfg.json"
 WEIGHTS_FILE = "sae_weights.safetensors"
 SPARSITY_FILE = "sparsity.safetensors"
 SAELENS_FORMAT_VERSION = "6.0.0"  # the cfg.json layout written here (SAELens >= 6)
-TO_SAELENS = {"relu": "standard", "topk": "topk", "batchtopk": "jumprelu", "jumprelu": "jumprelu"}
+TRANSCODERS = {"standard": "transcoder", "jumprelu": "jumprelu_transcoder"}  # SAELens 6 has no TopK one
+
+
+def saved_architecture(sae: SparseAutoencoder) -> str:
+    """The cfg.json `architecture` an SAE is saved as (an AssayError where SAELens has none)."""
+    name = sae.rule.saelens_name
+    if not sae.transcoder:
+        return name
+    if name not in TRANSCODERS:
+        raise AssayError(
+            f"SAELens has no {sae.arch.architecture} transcoder; train it with --architecture "
+            "batchtopk (k per token on average, saved as a JumpReLU transcoder), relu or jumprelu"
+        )
+    return TRANSCODERS[name]
 
 
 def save_sae(
@@ -41,17 +58,17 @@ def save_sae(
 ) -> Path:
     """Write `sae` (normalisation folded in first when needed) in SAELens format."""
     folder = Path(folder)
+    arch = saved_architecture(sae)
     folder.mkdir(parents=True, exist_ok=True)
-    if float(sae.act_scale) != 1.0:
+    if float(sae.act_scale) != 1.0 or float(sae.out_scale) != 1.0:
         sae = sae.folded()
-    arch = TO_SAELENS[sae.arch.architecture]
     weights = {
         "W_enc": sae.W_enc.detach().float().contiguous(),
         "b_enc": sae.b_enc.detach().float().contiguous(),
         "W_dec": sae.W_dec.detach().float().contiguous(),
         "b_dec": sae.b_dec.detach().float().contiguous(),
     }
-    if arch == "jumprelu":
+    if sae.rule.saved_threshold:
         weights["threshold"] = sae.threshold().detach().float().contiguous()
     save_file({k: v.cpu() for k, v in weights.items()}, str(folder / WEIGHTS_FILE))
     cfg: dict[str, Any] = {
@@ -60,7 +77,7 @@ def save_sae(
         "d_sae": sae.d_sae,
         "dtype": "float32",
         "device": "cpu",
-        "apply_b_dec_to_input": True,
+        "apply_b_dec_to_input": not sae.transcoder,
         "normalize_activations": "none",
         "reshape_activations": "none",
         "metadata": {
@@ -69,8 +86,9 @@ def save_sae(
             "assay_architecture": sae.arch.architecture,
         },
     }
-    if arch == "topk":
-        cfg.update(k=sae.arch.k, rescale_acts_by_decoder_norm=False)
+    if sae.transcoder:
+        cfg["d_out"] = sae.d_out
+    cfg.update(sae.rule.save_fields())
     write_json(folder / CFG_FILE, cfg)
     if log_densities is not None:
         save_file(
@@ -83,39 +101,41 @@ def load_sae(folder: Path | str) -> tuple[SparseAutoencoder, dict[str, Any]]:
     """An SAE folder in SAELens format (ours or SAELens's own) -> (SAE, its metadata).
 
     The SAE works on raw activations (act_scale 1). Metadata always has `hook_name` and
-    `context_size` keys (None when the folder does not say).
+    `context_size` keys (None when the folder does not say). A BatchTopK-type SAE loads as the
+    JumpReLU it was saved as; a transcoder loads with `transcoder` set and its `d_out`.
     """
     folder = Path(folder)
     if not (folder / CFG_FILE).exists() or not (folder / WEIGHTS_FILE).exists():
         raise AssayError(f"{folder} is not an SAE folder (needs {CFG_FILE} and {WEIGHTS_FILE})")
     cfg = read_json(folder / CFG_FILE)
-    arch = _our_architecture(cfg)
     if cfg.get("normalize_activations", "none") not in ("none", False, None):
         raise AssayError(
             f"{folder}: normalize_activations={cfg['normalize_activations']!r} is not supported; "
             "fold the normalisation into the weights first"
         )
+    arch_cls, transcoder = _our_architecture(cfg)
     weights = load_file(str(folder / WEIGHTS_FILE))
     d_in, d_sae = int(cfg["d_in"]), int(cfg["d_sae"])
-    arch_cfg = SaeArchConfig(architecture=arch, d_sae=d_sae, k=int(cfg.get("k") or 32))  # type: ignore[arg-type]
-    sae = SparseAutoencoder(d_in, d_sae, arch_cfg)
+    d_out = int(cfg["d_out"]) if transcoder else None
+    kwargs = {"k": 32, **arch_cls.config_from_saved(cfg)}
+    arch_cfg = SaeArchConfig(architecture=arch_cls.name, d_sae=d_sae, **kwargs)
+    sae = SparseAutoencoder(d_in, d_sae, arch_cfg, d_out=d_out)
     _load_weights(sae, weights, cfg, folder)
     return sae.eval(), _metadata(cfg)
 
 
-def _our_architecture(cfg: dict[str, Any]) -> str:
+def _our_architecture(cfg: dict[str, Any]) -> tuple[type[Architecture], bool]:
+    """(our architecture class, whether a transcoder) for a saved cfg.json."""
     name = cfg.get("architecture", "standard")
     if name == "standard" and cfg.get("activation_fn", cfg.get("activation_fn_str")) == "topk":
         name = "topk"  # SAELens < 6 wrote TopK as standard + activation_fn topk
-    if name not in ("standard", "topk", "jumprelu"):
-        raise AssayError(f"SAE architecture {name!r} is not supported (standard, topk, jumprelu)")
-    if name == "topk" and cfg.get("rescale_acts_by_decoder_norm"):
-        raise AssayError(
-            "TopK SAEs with rescale_acts_by_decoder_norm are not supported; fold W_dec norms first"
-        )
-    if name == "topk" and cfg.get("k") is None:
-        cfg["k"] = (cfg.get("activation_fn_kwargs") or {}).get("k")
-    return {"standard": "relu", "topk": "topk", "jumprelu": "jumprelu"}[name]
+    inverse = {v: k for k, v in TRANSCODERS.items()}
+    transcoder = name in inverse
+    arch_cls = saved_as(inverse.get(name, name))
+    if arch_cls is None:
+        readable = [n for c in REGISTRY.values() for n in c.loads_from] + list(TRANSCODERS.values())
+        raise AssayError(f"SAE architecture {name!r} is not supported ({', '.join(readable)})")
+    return arch_cls, transcoder
 
 
 def _load_weights(
@@ -124,18 +144,19 @@ def _load_weights(
     expected = {
         "W_enc": (sae.d_in, sae.d_sae),
         "b_enc": (sae.d_sae,),
-        "W_dec": (sae.d_sae, sae.d_in),
-        "b_dec": (sae.d_in,),
+        "W_dec": (sae.d_sae, sae.d_out),
+        "b_dec": (sae.d_out,),
     }
     with torch.no_grad():
         for name, shape in expected.items():
             if name not in weights or tuple(weights[name].shape) != shape:
                 raise AssayError(f"{folder}: {WEIGHTS_FILE} lacks {name} of shape {list(shape)}")
             getattr(sae, name).copy_(weights[name].float())
-        if not cfg.get("apply_b_dec_to_input", True):
+        if not sae.transcoder and not cfg.get("apply_b_dec_to_input", True):
             # pre = x @ W_enc + b_enc  ==  (x - b_dec) @ W_enc + (b_enc + b_dec @ W_enc)
             sae.b_enc.add_(sae.b_dec @ sae.W_enc)
-        if sae.arch.architecture == "jumprelu":
+        sae.rule.after_load(sae, cfg)
+        if sae.rule.learned_threshold:
             if "threshold" not in weights:
                 raise AssayError(f"{folder}: a jumprelu SAE needs `threshold` in {WEIGHTS_FILE}")
             t = weights["threshold"].float().clamp_min(math.exp(-60))

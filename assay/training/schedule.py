@@ -1,4 +1,5 @@
-"""Learning-rate schedules: linear warm-up, then cosine, linear or constant."""
+"""Learning-rate schedules: linear warm-up, then cosine, linear or constant (fine-tuning), or
+warm-up / stable / decay (SAEs)."""
 
 from __future__ import annotations
 
@@ -30,3 +31,14 @@ def lr_factor(step: int, total_steps: int, warmup: int, kind: ScheduleName) -> f
     if kind == "linear":
         return 1.0 - progress
     return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def warmup_stable_decay(step: int, total_steps: int, warmup: int, decay_fraction: float) -> float:
+    """Multiplier for step `step` (0-based) of the warm-up / stable / decay schedule (the SAEs'):
+    linear warm-up from 1/warmup to 1 over `warmup` steps, constant, then linear decay to 0
+    over the final `decay_fraction` of the steps (reaching 1/decay_steps at the last step)."""
+    scale = min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
+    decay_steps = int(total_steps * decay_fraction)
+    if decay_steps > 0 and step >= total_steps - decay_steps:
+        scale *= (total_steps - step) / decay_steps
+    return scale

@@ -1,0 +1,43 @@
+"""JumpReLU (Rajamanoharan et al. 2024): z = pre * 1[pre > theta], theta = exp(log_threshold)
+learned per latent through straight-through estimators (rectangle kernel of width
+jumprelu_bandwidth); loss MSE + l0_coefficient * L0. Threshold comparisons run in fp32.
+Saved as SAELens `jumprelu` with `threshold`."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch.nn.functional as F
+from torch import Tensor
+
+from assay.sae.architectures.base import Architecture, register
+from assay.sae.kernels import JumpReLUFn, StepFn
+
+if TYPE_CHECKING:
+    from assay.sae.model import SparseAutoencoder
+
+
+@register
+class JumpReLU(Architecture):
+    """A learned threshold per latent; sparsity from the L0 penalty."""
+
+    name = "jumprelu"
+    saelens_name = "jumprelu"
+    loads_from = ("jumprelu",)
+    learned_threshold = True
+    saved_threshold = True
+
+    def encode(self, sae: SparseAutoencoder, pre: Tensor) -> Tensor:
+        t = sae.threshold().to(pre.dtype)
+        return F.relu(pre) * (pre > t)
+
+    def fit_codes(self, pre: Tensor) -> Tensor | None:
+        return None  # a fixed threshold breaks the linearity the fit relies on
+
+    def sparsity_coefficient(self) -> float:
+        return self.cfg.l0_coefficient
+
+    def dense_codes(self, sae: SparseAutoencoder, pre: Tensor) -> tuple[Tensor, Tensor]:
+        pre32, t = pre.float(), sae.threshold()  # threshold comparisons in fp32
+        z = JumpReLUFn.apply(pre32, t, self.cfg.jumprelu_bandwidth)
+        return z, StepFn.apply(pre32, t, self.cfg.jumprelu_bandwidth).sum(-1).mean()

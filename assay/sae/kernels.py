@@ -1,0 +1,161 @@
+"""Autograd kernels shared by the SAE architectures: sparse encode/decode and JumpReLU's
+straight-through estimators, plus the flat (token-major) layout of active latents.
+
+Shapes: N tokens, d_in input width, d_sae latents, d_out output width (d_in for an SAE).
+TopK-type architectures train through the sparse path (`SparseEncode` + embedding_bag):
+the encoder matmul is the only dense product, forward or backward.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+class SparseCodes(NamedTuple):
+    """Active latents as flat lists, token-major: entry i is latent cols[i] of token rows[i]."""
+
+    rows: Tensor  # [nnz] int64, ascending
+    cols: Tensor  # [nnz] int64
+    vals: Tensor  # [nnz] fp32 activations (>= 0)
+    offsets: Tensor  # [N] int64: token n's entries start at offsets[n] (embedding_bag layout)
+
+    def subset(self, keep: Tensor, n: int) -> SparseCodes:
+        """The entries where keep [nnz] bool is set (still token-major), for n tokens."""
+        rows = self.rows[keep]
+        return SparseCodes(rows, self.cols[keep], self.vals[keep], offsets(rows, n))
+
+
+def offsets(rows: Tensor, n: int) -> Tensor:
+    """[n] start of each token's run in ascending `rows` (empty runs allowed)."""
+    return torch.searchsorted(rows, torch.arange(n, device=rows.device))
+
+
+class SparseEncode(torch.autograd.Function):
+    """relu(pre[rows, cols]) for selected entries, with a backward that stays sparse.
+
+    pre = (x - b_in) @ W_enc + b_enc, where b_in is b_dec for an SAE and None for a transcoder
+    (whose b_dec lives in the output space). Gradients: b_enc and W_enc only at selected
+    (row, col) pairs; b_in through -W_enc @ (column sums of the pre-activation gradient).
+    x gets none (it is data).
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: Tensor, b_in: Tensor | None, W_enc: Tensor, b_enc: Tensor, select: Callable
+    ) -> Any:
+        x_c = x - b_in if b_in is not None else x  # [N, d_in]
+        pre = torch.addmm(b_enc, x_c, W_enc)  # [N, d_sae]; bf16 under autocast
+        rows, cols = select(pre)  # [nnz] each
+        raw = pre[rows, cols].float()
+        vals = raw.clamp_min(0)
+        ctx.save_for_backward(x_c, W_enc, rows, cols, raw > 0)
+        ctx.has_b_in = b_in is not None
+        ctx.mark_non_differentiable(rows, cols)
+        return vals, rows, cols
+
+    @staticmethod
+    def backward(ctx: Any, g_vals: Tensor, *_: Any) -> Any:
+        x_c, W_enc, rows, cols, positive = ctx.saved_tensors
+        g = (g_vals * positive).to(W_enc.dtype)  # [nnz]
+        n, d_sae = x_c.shape[0], W_enc.shape[1]
+        grad_b_enc = torch.zeros(d_sae, dtype=W_enc.dtype, device=g.device).index_add_(0, cols, g)
+        # grad_W_enc.T = S.T @ x_c with S [N, d_sae] holding g at the selected entries; a
+        # sparse x dense product (no sort, no dense [N, d_sae] scratch).
+        s_t = torch.sparse_coo_tensor(torch.stack([cols, rows]), g, (d_sae, n), check_invariants=False)
+        grad_W_enc_t = torch.sparse.mm(s_t, x_c.to(W_enc.dtype))  # [d_sae, d_in]
+        grad_b_in = -(W_enc @ grad_b_enc) if ctx.has_b_in else None  # [d_in]
+        return None, grad_b_in, grad_W_enc_t.t(), grad_b_enc, None
+
+
+class SparseDecode(torch.autograd.Function):
+    """sum_i vals[i] * W_dec[cols[i]] per token: embedding_bag forward, sparse backward.
+
+    Backward: grad_W_dec = S.T @ grad_out (sparse x dense) and grad_vals = (grad_out @
+    W_dec.T) sampled at the active entries (SDDMM); torch's embedding_bag backward would sort.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, vals: Tensor, rows: Tensor, cols: Tensor, offsets: Tensor, W_dec: Tensor) -> Tensor:
+        ctx.save_for_backward(vals, rows, cols, offsets, W_dec)
+        return F.embedding_bag(cols, W_dec, offsets, per_sample_weights=vals, mode="sum")  # [N, d_out]
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> Any:
+        vals, rows, cols, offsets, W_dec = ctx.saved_tensors
+        grad_out = grad_out.to(W_dec.dtype).contiguous()  # [N, d_out]
+        n, nnz = grad_out.shape[0], cols.numel()
+        s_t = torch.sparse_coo_tensor(
+            torch.stack([cols, rows]), vals.to(W_dec.dtype), (W_dec.shape[0], n), check_invariants=False
+        )
+        grad_W_dec = torch.sparse.mm(s_t, grad_out)  # [d_sae, d_out]
+        crow = torch.cat([offsets, offsets.new_tensor([nnz])])
+        zeros = torch.zeros_like(vals, dtype=W_dec.dtype)
+        with warnings.catch_warnings():  # torch calls CSR support "beta" on every construction
+            warnings.simplefilter("ignore")
+            pattern = torch.sparse_csr_tensor(crow, cols, zeros, (n, W_dec.shape[0]), check_invariants=False)
+        grad_vals = torch.sparse.sampled_addmm(pattern, grad_out, W_dec.t(), beta=0.0).values()  # [nnz]
+        return grad_vals.to(vals.dtype), None, None, None, grad_W_dec
+
+
+class JumpReLUFn(torch.autograd.Function):
+    """pre * (pre > t) with a straight-through threshold gradient (Rajamanoharan et al. 2024)."""
+
+    @staticmethod
+    def forward(ctx: Any, pre: Tensor, threshold: Tensor, bandwidth: float) -> Tensor:
+        ctx.save_for_backward(pre, threshold)
+        ctx.bandwidth = bandwidth
+        return pre * (pre > threshold)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Any:
+        pre, t = ctx.saved_tensors
+        window = ((pre - t).abs() < ctx.bandwidth / 2).to(grad.dtype)  # rectangle kernel
+        grad_t = (-(t / ctx.bandwidth) * window * grad).sum(0)
+        return grad * (pre > t), grad_t, None
+
+
+class StepFn(torch.autograd.Function):
+    """Heaviside(pre - t) (the L0 count) with the same straight-through threshold gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, pre: Tensor, threshold: Tensor, bandwidth: float) -> Tensor:
+        ctx.save_for_backward(pre, threshold)
+        ctx.bandwidth = bandwidth
+        return (pre > threshold).to(pre.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Any:
+        pre, t = ctx.saved_tensors
+        window = ((pre - t).abs() < ctx.bandwidth / 2).to(grad.dtype)
+        return None, (-(1.0 / ctx.bandwidth) * window * grad).sum(0), None
+
+
+def topk_per_token(pre: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """(rows, cols) of the k largest entries of each row of pre [N, d_sae], token-major."""
+    n = pre.shape[0]
+    idx = pre.topk(k, dim=-1, sorted=False).indices  # [N, k]
+    rows = torch.arange(n, device=pre.device).repeat_interleave(k)
+    return rows, idx.reshape(-1)
+
+
+def topk_over_batch(pre: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """(rows, cols) of the k*N largest positive entries of pre [N, d_sae], token-major."""
+    n, d_sae = pre.shape
+    flat = F.relu(pre).reshape(-1)
+    idx = flat.topk(min(k * n, flat.numel()), sorted=False).indices
+    idx = idx[flat[idx] > 0].sort().values
+    return idx // d_sae, idx % d_sae
+
+
+def select_aux(pre: Tensor, dead: Tensor, k_aux: int) -> tuple[Tensor, Tensor]:
+    """(rows, cols) of the k_aux largest pre-activations among dead latents, per token."""
+    dead_idx = dead.nonzero().squeeze(1)  # [n_dead]
+    idx = pre[:, dead_idx].topk(k_aux, dim=-1, sorted=False).indices  # [N, k_aux]
+    rows = torch.arange(pre.shape[0], device=pre.device).repeat_interleave(k_aux)
+    return rows, dead_idx[idx.reshape(-1)]

@@ -1,0 +1,343 @@
+"""SAEs against ground truth: SAELens's synthetic generator (SynthSAEBench), assay and SAELens
+trained on the same activations in the same order, scored by feature recovery.
+
+Four steps, two environments (SAELens is never a dependency of assay; its generator and
+trainer run in the peers' environment that `make test-interop` builds):
+
+  .venv-peers/bin/python bench/bench_sae_synthetic.py generate --data DIR
+  .venv/bin/python       bench/bench_sae_synthetic.py assay    --data DIR
+  .venv-peers/bin/python bench/bench_sae_synthetic.py saelens  --data DIR
+  .venv/bin/python       bench/bench_sae_synthetic.py score    --data DIR   (markdown table)
+  .venv-peers/bin/python bench/bench_sae_synthetic.py crosscheck --data DIR (SAELens's own MCC/F1)
+
+`generate` builds a SyntheticModel scaled down from SynthSAEBench-16k (same recipe: Zipfian
+firing, exponent 0.5 from 0.4 to 5e-4; hierarchy with branching 4, depth 3, mutually exclusive
+children; low-rank correlations, rank 25, scale 0.1; orthogonalised dictionary; magnitudes
+linear 5 -> 4 with folded-normal spread), and writes DIR/train (assay's activation-cache
+layout), DIR/eval and DIR/ground_truth.safetensors (feature_vectors, eval_acts, eval_fires).
+Both trainers read batch i = rows perm[i*B:(i+1)*B] of one seeded permutation, normalised by
+one scale (bench_sae_common.py). Every trained SAE is saved in the SAELens format under
+DIR/saes/, and `score` evaluates them all with one implementation (assay.sae.ground_truth):
+MCC, F1, L0, FVU and the dead fraction on the evaluation samples; tokens/s of the SAE step.
+
+The SAEs are initialised from torch's generator seeded with --init_seed, never --seed: SAELens
+draws the true dictionary from a generator seeded with --seed, and assay's start (normalised
+torch.randn rows) drawn from the same seed would begin at the true directions (MCC 0.99 before
+training).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_sae_common import DEAD_WINDOW_STEPS, Timer, batches, load_split, machine, scale_of  # noqa: E402
+
+ARCHS = ("topk", "batchtopk", "matryoshka", "jumprelu", "relu")
+COEFFICIENTS = {"relu": 5.0, "jumprelu": 1.0}  # the same sparsity coefficient for both libraries
+WARMUP, DECAY = 10, 0.2  # Adam's schedule for both libraries (assay's signum: none)
+
+
+def cpu_name() -> str:
+    """The CPU model (figures are provisional: the machine is shared)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+# ---- generate (peers' environment) -------------------------------------------------------
+def generate(args: argparse.Namespace) -> None:
+    from numpy.lib.format import open_memmap
+    from sae_lens.synthetic import (
+        FoldedNormalMagnitudeConfig,
+        HierarchyConfig,
+        LinearMagnitudeConfig,
+        LowRankCorrelationConfig,
+        OrthogonalizationConfig,
+        SyntheticModel,
+        SyntheticModelConfig,
+        ZipfianFiringProbabilityConfig,
+    )
+    from safetensors.torch import save_file
+
+    cfg = SyntheticModelConfig(
+        num_features=args.features,
+        hidden_dim=args.hidden,
+        firing_probability=ZipfianFiringProbabilityConfig(exponent=0.5, max_prob=0.4, min_prob=5e-4),
+        hierarchy=HierarchyConfig(
+            total_root_nodes=args.roots, branching_factor=4, max_depth=3, mutually_exclusive_portion=1.0
+        ),
+        correlation=LowRankCorrelationConfig(rank=25, correlation_scale=0.1),
+        orthogonalization=OrthogonalizationConfig(num_steps=100, lr=3e-4),
+        mean_firing_magnitudes=LinearMagnitudeConfig(start=5.0, end=4.0),
+        std_firing_magnitudes=FoldedNormalMagnitudeConfig(mean=0.5, std=0.5),
+        seed=args.seed,
+    )
+    model = SyntheticModel(cfg)
+    torch.manual_seed(args.seed + 100)
+    out = args.data
+    for split, n in (("train", args.samples), ("eval", args.eval_samples)):
+        (out / split).mkdir(parents=True, exist_ok=True)
+        arr = open_memmap(
+            out / split / "activations.npy", mode="w+", dtype=np.float32, shape=(n, args.hidden)
+        )
+        fires = np.zeros((n, args.features), dtype=bool) if split == "eval" else None
+        l0 = 0.0
+        for start in range(0, n, 65536):
+            m = min(65536, n - start)
+            with torch.no_grad():
+                hidden, feats = model.sample_with_features(m)
+            arr[start : start + m] = hidden.numpy()
+            l0 += float((feats > 0).sum())
+            if fires is not None:
+                fires[start : start + m] = (feats > 0).numpy()
+        arr.flush()
+        meta = {"n_contexts": n, "context_length": 1, "d_in": args.hidden, "true_l0": l0 / n}
+        (out / split / "meta.json").write_text(json.dumps(meta))
+        print(json.dumps({"split": split, **meta}), flush=True)
+    gt = {
+        "feature_vectors": model.feature_dict.feature_vectors.detach().float().contiguous(),
+        "eval_acts": torch.from_numpy(np.load(out / "eval" / "activations.npy")),
+        "eval_fires": torch.from_numpy(fires),
+    }
+    save_file(gt, str(out / "ground_truth.safetensors"))
+    (out / "synthetic_config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
+
+
+# ---- the shared protocol ----------------------------------------------------------------
+def true_k(data: Path) -> int:
+    """k for the TopK-type SAEs: the generator's mean active features per sample, rounded."""
+    return max(1, round(json.loads((data / "train" / "meta.json").read_text())["true_l0"]))
+
+
+def widths(d_sae: int) -> list[int]:
+    """Matryoshka levels for both libraries: d_sae / 16, / 8, / 4, / 2, d_sae."""
+    return [d_sae >> j for j in range(4, -1, -1)]
+
+
+def protocol(args: argparse.Namespace) -> tuple[list[torch.Tensor], float, int]:
+    train = load_split(args.data / "train")
+    scale = scale_of(train)
+    steps = args.samples // args.batch
+    return batches(train, scale, args.batch, steps, args.seed), scale, steps
+
+
+def save_line(args: argparse.Namespace, rec: dict[str, Any]) -> None:
+    rec = {**rec, **machine(), "cpu": cpu_name(), "samples": args.samples, "batch": args.batch}
+    print(json.dumps(rec), flush=True)
+    with open(args.data / "runs.jsonl", "a") as f:
+        f.write(json.dumps(rec) + "\n")
+
+
+# ---- assay --------------------------------------------------------------------------------
+def run_assay(args: argparse.Namespace) -> None:
+    from assay.core.precision import PrecisionPolicy
+    from assay.sae.config import SaeArchConfig
+    from assay.sae.metrics import DeadLatents
+    from assay.sae.model import SparseAutoencoder
+    from assay.sae.optim import averaged, default_learning_rate, make_optimizer
+    from assay.sae.saelens_format import save_sae
+    from assay.sae.train import lr_at, train_step
+
+    data, scale, steps = protocol(args)
+    d_in, k = data[0].shape[1], true_k(args.data)
+    for arch in args.archs:
+        for precision in args.precision:
+            torch.manual_seed(args.init_seed)
+            cfg = SaeArchConfig(
+                architecture=arch, k=k, matryoshka_widths=widths(args.d_sae),
+                l1_coefficient=COEFFICIENTS["relu"], l0_coefficient=COEFFICIENTS["jumprelu"],
+            )  # fmt: skip
+            base = COEFFICIENTS.get(arch, 0.0)  # the sparsity penalty's weight (0: TopK-type)
+            sae = SparseAutoencoder(d_in, args.d_sae, cfg)
+            with torch.no_grad():
+                sae.b_dec.copy_(data[0].mean(0))
+            sae.fit_encoder_scale(data[0])
+            kind = "signum" if cfg.unit_decoder else "adam"
+            lr = default_learning_rate(args.d_sae, cfg.unit_decoder, kind)
+            warmup, decay = (0, 0.0) if kind == "signum" else (WARMUP, DECAY)
+            opt = make_optimizer(sae, lr, kind)
+            policy = PrecisionPolicy.resolve(precision)
+            dead = DeadLatents(args.d_sae, window=DEAD_WINDOW_STEPS * args.batch)
+            timer, warm = Timer(), max(1, int(0.05 * steps))
+            for i, x in enumerate(data):
+                timer.step(i)
+                coef = base * min(1.0, (i + 1) / warm)  # warmed up as assay sae train does
+                train_step(sae, opt, x, dead, policy, lr_at(i, steps, lr, warmup, decay), coef, 1.0, i == 0)
+            speed = timer.tokens_per_s(args.batch)
+            name = f"assay-{arch}-{precision}"
+            with averaged(opt):  # signum: the averaged point, as assay saves it
+                sae.act_scale.fill_(scale)  # the batches were scaled: save for raw activations
+                save_sae(args.data / "saes" / name, sae, {"hook_name": "synthetic"})
+            rec = {"name": name, "library": "assay", "arch": arch, "precision": precision, "lr": lr}
+            save_line(args, {**rec, "optimizer": kind, "tokens_per_s": speed, "train_dead": dead.fraction()})
+
+
+# ---- SAELens (peers' environment) ----------------------------------------------------------
+def saelens_sae(arch: str, d_in: int, d_sae: int, k: int, steps: int) -> Any:
+    import sae_lens as sl
+
+    warm = max(1, int(0.05 * steps))
+    if arch == "topk":
+        return sl.TopKTrainingSAE(sl.TopKTrainingSAEConfig(d_in=d_in, d_sae=d_sae, k=k))
+    if arch == "batchtopk":
+        return sl.BatchTopKTrainingSAE(sl.BatchTopKTrainingSAEConfig(d_in=d_in, d_sae=d_sae, k=k))
+    if arch == "matryoshka":
+        cfg = sl.MatryoshkaBatchTopKTrainingSAEConfig(
+            d_in=d_in, d_sae=d_sae, k=k, matryoshka_widths=widths(d_sae)
+        )
+        return sl.MatryoshkaBatchTopKTrainingSAE(cfg)
+    if arch == "jumprelu":
+        cfg_j = sl.JumpReLUTrainingSAEConfig(
+            d_in=d_in, d_sae=d_sae, l0_coefficient=COEFFICIENTS["jumprelu"], l0_warm_up_steps=warm
+        )
+        return sl.JumpReLUTrainingSAE(cfg_j)
+    cfg_s = sl.StandardTrainingSAEConfig(
+        d_in=d_in, d_sae=d_sae, l1_coefficient=COEFFICIENTS["relu"], l1_warm_up_steps=warm
+    )
+    return sl.StandardTrainingSAE(cfg_s)
+
+
+def run_saelens(args: argparse.Namespace) -> None:
+    from sae_lens.config import SAETrainerConfig
+    from sae_lens.training.sae_trainer import SAETrainer
+
+    data, scale, steps = protocol(args)
+    d_in, k = data[0].shape[1], true_k(args.data)
+    for arch in args.archs:
+        for precision in args.precision:
+            torch.manual_seed(args.init_seed)
+            sae = saelens_sae(arch, d_in, args.d_sae, k, steps)
+            with torch.no_grad():
+                sae.b_dec.copy_(data[0].mean(0))
+            unit = arch in ("topk", "batchtopk", "matryoshka")
+            lr = (3.2e-3 if unit else 8e-4) / (args.d_sae / 2**14) ** 0.5  # assay's Adam defaults
+            cfg = SAETrainerConfig(
+                total_training_samples=steps * args.batch, train_batch_size_samples=args.batch, lr=lr,
+                lr_warm_up_steps=WARMUP, lr_decay_steps=int(DECAY * steps), lr_end=0.0, device="cpu",
+                autocast=precision == "bf16", dead_feature_window=DEAD_WINDOW_STEPS,
+                feature_sampling_window=10**9,
+            )  # fmt: skip
+            timer = Timer()
+
+            def provider(timer: Timer = timer) -> Any:
+                for i, x in enumerate(data):
+                    timer.step(i)
+                    yield x
+
+            trainer = SAETrainer(cfg, sae, provider())
+            trainer.fit()
+            speed = timer.tokens_per_s(args.batch)
+            train_dead = float((trainer.n_forward_passes_since_fired >= DEAD_WINDOW_STEPS).float().mean())
+            name = f"saelens-{arch}-{precision}"
+            with torch.no_grad():  # the batches were scaled: fold the scale for raw activations
+                sae.W_enc.mul_(scale)
+                sae.W_dec.div_(scale)
+                sae.b_dec.div_(scale)
+            sae.cfg.metadata.hook_name = "synthetic"
+            sae.save_inference_model(args.data / "saes" / name)
+            rec = {"name": name, "library": "saelens", "arch": arch, "precision": precision, "lr": lr}
+            save_line(args, {**rec, "optimizer": "adam", "tokens_per_s": speed, "train_dead": train_dead})
+
+
+# ---- scoring ------------------------------------------------------------------------------
+def score_folder(folder: Path, gt: dict[str, torch.Tensor]) -> dict[str, float]:
+    """MCC, F1 (precision, recall), L0, FVU and dead fraction of one saved SAE."""
+    from assay.sae.ground_truth import ground_truth_metrics
+    from assay.sae.saelens_format import load_sae
+
+    sae, _ = load_sae(folder)
+    m = ground_truth_metrics(sae, gt)
+    return {**m, "dead": m["dead_fraction_eval"]}
+
+
+def score(args: argparse.Namespace) -> None:
+    from assay.sae.ground_truth import load_ground_truth
+
+    gt = load_ground_truth(args.data / "ground_truth.safetensors")
+    runs = [json.loads(line) for line in (args.data / "runs.jsonl").read_text().splitlines()]
+    latest = {r["name"]: r for r in runs}  # the last run of each name
+    cache = args.data / "scores.json"
+    scores = json.loads(cache.read_text()) if cache.exists() else {}
+    for name in sorted(latest):
+        stamp = (args.data / "saes" / name / "sae_weights.safetensors").stat().st_mtime
+        if scores.get(name, {}).get("stamp") != stamp:
+            scores[name] = {**score_folder(args.data / "saes" / name, gt), "stamp": stamp}
+            cache.write_text(json.dumps(scores, indent=1))
+    true_l0 = json.loads((args.data / "eval" / "meta.json").read_text())["true_l0"]
+    print(f"true L0 {true_l0:.1f}; k = {true_k(args.data)}; CPU {cpu_name()}")
+    cols = ["architecture", "library", "precision", "MCC", "F1", "L0", "FVU", "dead (eval)", "dead (train)"]
+    print("| " + " | ".join([*cols, "tokens/s"]) + " |")
+    print("|---" * (len(cols) + 1) + "|")
+    order = {a: i for i, a in enumerate(ARCHS)}
+    for name in sorted(latest, key=lambda n: (order.get(latest[n]["arch"], 9), latest[n]["library"], n)):
+        r, s = latest[name], scores[name]
+        print(
+            f"| {r['arch']} | {r['library']} | {r['precision']} | {s['mcc']:.3f} | {s['f1']:.3f} | "
+            f"{s['l0']:.1f} | {s['fvu']:.3f} | {s['dead']:.1%} | {r['train_dead']:.1%} | "
+            f"{r['tokens_per_s']:,.0f} |"
+        )
+
+
+def crosscheck(args: argparse.Namespace) -> None:
+    """SAELens's own metric functions on every saved folder (peers' environment)."""
+    from sae_lens import SAE
+    from sae_lens.synthetic.evals import compute_classification_metrics, mean_correlation_coefficient
+    from safetensors.torch import load_file
+
+    gt = load_file(str(args.data / "ground_truth.safetensors"))
+    for folder in sorted((args.data / "saes").iterdir()):
+        sae = SAE.load_from_disk(str(folder))
+        with torch.no_grad():
+            z = sae.encode(gt["eval_acts"])
+            cls = compute_classification_metrics(
+                z, gt["eval_fires"].float(), sae.W_dec, gt["feature_vectors"]
+            )
+            mcc = mean_correlation_coefficient(sae.W_dec, gt["feature_vectors"])
+        print(json.dumps({"name": folder.name, "mcc": mcc, "f1": cls.f1_score}), flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("mode", choices=["generate", "assay", "saelens", "score", "crosscheck"])
+    p.add_argument("--data", type=Path, required=True, help="the dataset folder")
+    p.add_argument("--features", type=int, default=4096, help="generate: ground-truth features")
+    p.add_argument("--hidden", type=int, default=256, help="generate: activation width d")
+    p.add_argument("--roots", type=int, default=32, help="generate: hierarchy root nodes")
+    p.add_argument("--samples", type=int, default=1 << 20, help="training samples (generate: written)")
+    p.add_argument("--eval_samples", type=int, default=16384)
+    p.add_argument("--d_sae", type=int, default=4096)
+    p.add_argument("--batch", type=int, default=4096)
+    p.add_argument("--archs", nargs="+", default=list(ARCHS), choices=ARCHS)
+    p.add_argument("--precision", nargs="+", default=["fp32", "bf16"])
+    p.add_argument("--seed", type=int, default=0, help="the generator's seed, and the batch order")
+    p.add_argument(
+        "--init_seed", type=int, default=1, help="the SAEs' initialisation (never --seed: see the docstring)"
+    )
+    args = p.parse_args()
+    started = time.perf_counter()
+    {
+        "generate": generate,
+        "assay": run_assay,
+        "saelens": run_saelens,
+        "score": score,
+        "crosscheck": crosscheck,
+    }[args.mode](args)
+    print(f"# {args.mode}: {time.perf_counter() - started:.0f} s", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
