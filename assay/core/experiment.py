@@ -8,6 +8,8 @@ A rerun with other settings is refused, naming the first setting that differs.
 
 from __future__ import annotations
 
+import fcntl
+import os
 import shutil
 import time
 from collections.abc import Callable, Iterable
@@ -17,7 +19,15 @@ from typing import Any
 from assay.core.console import note
 from assay.core.distributed import Distributed
 from assay.core.errors import AssayError
-from assay.core.runs import CONFIG_FILE, DONE_FILE, RunFolder, read_json, write_json
+from assay.core.runs import (
+    CONFIG_FILE,
+    DONE_FILE,
+    LOCK_FILE,
+    RunFolder,
+    first_difference,
+    read_json,
+    write_json,
+)
 
 STAGES_FILE = "stages.json"
 
@@ -29,21 +39,24 @@ def open_experiment(
     --overwrite) may change between a run and its resumption; any other change is refused."""
     root = Path(out).resolve()
     folder = RunFolder(root, command, cfg, overwrite)
+    if root.exists() and not (root / CONFIG_FILE).exists() and not (root / DONE_FILE).exists():
+        raise AssayError(f"{root} exists and is not an assay {command} experiment; choose another folder")
+    _lock_experiment(root)  # before anything is removed or written: one process per experiment
     if (root / DONE_FILE).exists():
         if not overwrite:
             raise AssayError(f"{root} holds a finished experiment; pass --overwrite to redo it from scratch")
-        shutil.rmtree(root)
-    if root.exists() and not (root / CONFIG_FILE).exists():
-        raise AssayError(f"{root} exists and is not an assay {command} experiment; choose another folder")
+        for entry in root.iterdir():  # all but the lock this process holds
+            if entry.name != LOCK_FILE:
+                shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
     if (root / CONFIG_FILE).exists():
         saved = read_json(root / CONFIG_FILE)
         if saved.get("command") != command:
             raise AssayError(f"{root} holds an assay {saved.get('command')} experiment, not {command}")
-        changed = _first_difference(saved["config"], folder.record["config"], {"overwrite", *free})
+        changed = first_difference(saved["config"], folder.record["config"], {*folder.free, *free})
         if changed:
             raise AssayError(
-                f"{root} holds an experiment made with another {changed}; rerun with the same settings "
-                "to resume it, or choose another folder"
+                f"{root} holds an experiment made with another {changed}; rerun it with its own settings "
+                f"to resume (`assay replay {root}` does), or choose another folder"
             )
         note(f"resuming the experiment in {root}")
     root.mkdir(parents=True, exist_ok=True)
@@ -51,26 +64,39 @@ def open_experiment(
     return root
 
 
-def _first_difference(
-    old: dict[str, Any], new: dict[str, Any], free: set[str], prefix: str = ""
-) -> str | None:
-    """The flag-style name (--x) of the first setting that differs, looking into nested configs."""
-    for key in sorted(set(old) | set(new)):
-        if key in free:
-            continue
-        a, b = old.get(key), new.get(key)
-        if isinstance(a, dict) and isinstance(b, dict):
-            found = _first_difference(a, b, free)
-            if found:
-                return found
-        elif a != b:
-            return f"--{key} ({a!r}, now {b!r})"
-    return None
+_HELD: dict[Path, int] = {}
+"""Experiment folders this process holds the lock of (their descriptors): a resumed experiment
+in the same process (a notebook, a test) takes its own lock again."""
+
+
+def _lock_experiment(root: Path) -> None:
+    """Hold the exclusive lock on ROOT/.lock for this process (released when it ends or the
+    experiment finishes); a second process is refused in one line."""
+    if root in _HELD:
+        return
+    root.mkdir(parents=True, exist_ok=True)
+    fd = os.open(root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise AssayError(
+            f"another assay process (pid {holder}) is running the experiment in {root}; wait for it to "
+            "finish, or choose another folder"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    _HELD[root] = fd
 
 
 def finish_experiment(root: Path) -> None:
-    """Mark the experiment finished (rank 0)."""
+    """Mark the experiment finished (rank 0) and release its lock."""
     write_json(root / DONE_FILE, {"finished": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+    fd = _HELD.pop(root.resolve(), None)
+    if fd is not None:
+        (root / LOCK_FILE).unlink(missing_ok=True)
+        os.close(fd)
 
 
 class Stages:

@@ -9,10 +9,12 @@ from typing import Any
 
 class Progress:
     """A tqdm bar over examples (or `unit`s) that also reports tokens/s when told tokens.
-    Silent when `enabled` is false."""
+    Silent when `enabled` is false, or when notes are switched off (--quiet; see console.quiet)."""
 
     def __init__(self, total: int, desc: str, enabled: bool = True, initial: int = 0, unit: str = "ex"):
         from tqdm.auto import tqdm
+
+        from assay.core.console import quiet
 
         self.bar: Any = tqdm(
             total=total,
@@ -21,7 +23,7 @@ class Progress:
             unit_scale=unit != "ex",
             initial=initial,
             file=sys.stderr,
-            disable=not enabled,
+            disable=not enabled or quiet(),
             dynamic_ncols=True,
             mininterval=1.0,
         )

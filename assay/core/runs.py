@@ -4,26 +4,44 @@ A command writes into `OUT.part/` and renames it to `OUT/` when it finishes, so 
 without `.part` is always whole. `config.json` holds the command, its resolved config and
 the package version, so any run can be replayed (`assay replay OUT`). An interrupted run
 leaves `OUT.part/`; rerunning the same command with the same config resumes it.
+
+While a run writes, it holds an exclusive lock on `OUT.part/.lock` (`fcntl.flock`: released by
+the kernel when the process dies, however it dies), so a second command into the same OUT is
+refused instead of writing into the same files. A `.part` that holds no finished work (only its
+config: the run failed its input checks) is free: the corrected command simply starts in it.
+A resumed run must have the same settings, except those that only decide how fast it runs
+(`free`), and the same inputs (`check_inputs`: fingerprints of the data, model and tokenizer).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import json
 import os
 import shutil
 import time
 import types
 import typing
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from assay.core.disk import as_disk_full
 from assay.core.errors import AssayError
 
 CONFIG_FILE = "config.json"
 DONE_FILE = "run.json"
+INPUTS_FILE = "inputs.json"
+LOCK_FILE = ".lock"
+PERFORMANCE_ONLY: tuple[str, ...] = ("overwrite", "threads")
+"""Settings a run may resume under changed: --overwrite (what to do with a finished OUT), and
+--threads (how many cores torch's kernels use: the same operations on the same data; a kernel
+may split a sum over the cores differently, so the work done after the change can differ from
+an unchanged run at fp32 rounding, exactly as two fresh runs at those thread counts differ)."""
+BOOKKEEPING = (CONFIG_FILE, INPUTS_FILE, LOCK_FILE)
+"""What a `.part` holds before any work is done."""
 
 
 def package_version() -> str:
@@ -58,7 +76,7 @@ def read_json(path: Path) -> Any:
         return json.loads(Path(path).read_text())
     except FileNotFoundError:
         raise AssayError(f"missing file {path}") from None
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise AssayError(f"{path} is not valid JSON ({e})") from None
 
 
@@ -67,33 +85,38 @@ def config_to_dict(cfg: Any) -> dict[str, Any]:
     return json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
 
 
-def config_from_dict(cls: type, data: dict[str, Any]) -> Any:
+def config_from_dict(cls: type, data: dict[str, Any], trust_remote_code: bool = False) -> Any:
     """Rebuild a (nested) dataclass config from `config_to_dict` output.
 
     A field missing from `data` takes the class's `LEGACY_DEFAULTS` entry when it has one (what
     runs did before the field existed, so an old config replays as it ran), else its default.
+    Every `trust_remote_code` field takes the argument, never the saved value: a folder's JSON
+    (perhaps received from someone else) must not be able to run code shipped with a model;
+    only the command line turns it on.
     """
     hints = typing.get_type_hints(cls)
     legacy = getattr(cls, "LEGACY_DEFAULTS", {})
     kwargs = {}
     for f in dataclasses.fields(cls):
-        if f.name in data:
-            kwargs[f.name] = _from_json(hints[f.name], data[f.name])
+        if f.name == "trust_remote_code":
+            kwargs[f.name] = trust_remote_code
+        elif f.name in data:
+            kwargs[f.name] = _from_json(hints[f.name], data[f.name], trust_remote_code)
         elif f.name in legacy:
             kwargs[f.name] = legacy[f.name]
     return cls(**kwargs)
 
 
-def _from_json(tp: Any, value: Any) -> Any:
+def _from_json(tp: Any, value: Any, trust_remote_code: bool) -> Any:
     tp = _strip_annotated(tp)
     if dataclasses.is_dataclass(tp) and isinstance(value, dict):
-        return config_from_dict(tp, value)  # type: ignore[arg-type]
+        return config_from_dict(tp, value, trust_remote_code)  # type: ignore[arg-type]
     if typing.get_origin(tp) is tuple and isinstance(value, list):
         return tuple(value)
     if typing.get_origin(tp) in (typing.Union, types.UnionType) and isinstance(value, dict):
         for arg in typing.get_args(tp):
             if dataclasses.is_dataclass(_strip_annotated(arg)):
-                return _from_json(arg, value)
+                return _from_json(arg, value, trust_remote_code)
     return value
 
 
@@ -103,10 +126,40 @@ def _strip_annotated(tp: Any) -> Any:
     return tp
 
 
-class RunFolder:
-    """An output folder being written. `path` is the `.part` folder until `commit`."""
+def first_difference(old: dict[str, Any], new: dict[str, Any], free: Iterable[str] = ()) -> str | None:
+    """The flag-style name (--x) of the first setting that differs, looking into nested configs,
+    with both values: "--max_samples (100, now 200)"."""
+    free = set(free)
+    for key in sorted(set(old) | set(new)):
+        if key in free:
+            continue
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            found = first_difference(a, b, free)
+            if found:
+                return found
+        elif a != b:
+            return f"--{key} ({a!r}, now {b!r})"
+    return None
 
-    def __init__(self, out: Path | str, command: str, cfg: Any, overwrite: bool = False):
+
+class RunFolder:
+    """An output folder being written. `path` is the `.part` folder until `commit`.
+
+    `free`: settings (field names) that may differ when resuming, besides PERFORMANCE_ONLY.
+    `resumable=False`: the command keeps no partial work (it redoes everything when rerun), so
+    an interrupted `.part` is always taken over whatever its settings.
+    """
+
+    def __init__(
+        self,
+        out: Path | str,
+        command: str,
+        cfg: Any,
+        overwrite: bool = False,
+        free: Iterable[str] = (),
+        resumable: bool = True,
+    ):
         self.final = Path(out)
         self.path = self.final.with_name(self.final.name + ".part")
         self.command = command
@@ -116,36 +169,113 @@ class RunFolder:
             "config": config_to_dict(cfg),
         }
         self.overwrite = overwrite
+        self.free = {*PERFORMANCE_ONLY, *free}
+        self.resumable = resumable
         self.resumed = False
+        self._lock_fd: int | None = None
 
     def open(self) -> RunFolder:
-        """Create `OUT.part/` (or resume it), refusing to clobber a finished run."""
-        if (self.final / DONE_FILE).exists() and not self.overwrite:
-            raise AssayError(
-                f"{self.final} already holds a finished run; pass --overwrite to replace it "
-                "or choose another output folder"
-            )
-        if self.final.exists() and not (self.final / DONE_FILE).exists() and not self.overwrite:
-            raise AssayError(f"{self.final} exists and is not an assay run; choose another folder")
-        if self.path.exists():
-            self._check_resumable()
-            self.resumed = True
-        self.path.mkdir(parents=True, exist_ok=True)
-        write_json(self.path / CONFIG_FILE, self.record)
+        """Lock and create `OUT.part/` (or resume it), refusing to clobber a finished run."""
+        created = self._lock()
+        try:
+            if (self.final / DONE_FILE).exists() and not self.overwrite:
+                raise AssayError(
+                    f"{self.final} already holds a finished run; pass --overwrite to replace it "
+                    "or choose another output folder"
+                )
+            if self.final.exists() and not (self.final / DONE_FILE).exists() and not self.overwrite:
+                raise AssayError(
+                    f"{self.final} exists and is not a finished assay run; pass --overwrite to replace "
+                    "it (`assay replay "
+                    f"{self.final} --overwrite` reruns its config.json) or choose another folder"
+                )
+            if not created and self.holds_work():
+                self._check_resumable()
+                self.resumed = self.resumable
+            write_json(self.path / CONFIG_FILE, self.record)
+        except BaseException:
+            self.abandon()
+            raise
         return self
 
+    def holds_work(self) -> bool:
+        """Whether `.part` holds anything a rerun would reuse (more than its config and lock)."""
+        if not self.path.is_dir():
+            return False
+        return any(p.name not in BOOKKEEPING and not p.name.endswith(".tmp") for p in self.path.iterdir())
+
+    def _lock(self) -> bool:
+        """Take the exclusive lock on `.part/.lock` (creating `.part`); True when `.part` is new."""
+        for _ in range(5):  # the holder may commit (rename `.part`) between our open and our flock
+            created = not self.path.exists()
+            self.path.mkdir(parents=True, exist_ok=True)
+            lock = self.path / LOCK_FILE
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+                os.close(fd)
+                raise AssayError(
+                    f"another assay process (pid {holder}) is writing {self.path}; wait for it to "
+                    "finish, or choose another output folder"
+                ) from None
+            try:
+                same = os.fstat(fd).st_ino == os.stat(lock).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, str(os.getpid()).encode(), 0)
+                self._lock_fd = fd
+                return created
+            os.close(fd)
+        raise AssayError(f"could not lock {self.path}: it keeps being replaced; is another assay running?")
+
+    def close(self) -> None:
+        """Release the lock (the kernel does it too when the process dies)."""
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def abandon(self) -> None:
+        """After a failure: remove `.part` if it holds no work (nothing to resume; it must not
+        stand in the way of the corrected command), keep it otherwise; release the lock."""
+        if self._lock_fd is not None and self.path.is_dir() and not self.holds_work():
+            shutil.rmtree(self.path, ignore_errors=True)
+        self.close()
+
     def _check_resumable(self) -> None:
+        if not self.resumable:
+            return
         saved = self.path / CONFIG_FILE
         if not saved.exists():
             return
-        old = read_json(saved).get("config")
-        new: dict[str, Any] = dict(self.record["config"])  # type: ignore[call-overload]
-        old.pop("overwrite", None), new.pop("overwrite", None)
-        if old != new:
+        old = read_json(saved)
+        changed = first_difference(old.get("config") or {}, self.record["config"], self.free)
+        if old.get("command", self.command) != self.command:
+            changed = f"command (assay {old.get('command')})"
+        if changed:
             raise AssayError(
-                f"{self.path} holds an interrupted run with other settings; rerun with the "
-                "same arguments to resume it, or delete that folder to start afresh"
+                f"{self.path} holds an interrupted run with another {changed}; rerun it with its own "
+                f"settings to resume (`assay replay {self.final}` does), or delete {self.path} to start "
+                "afresh"
             )
+
+    def check_inputs(self, inputs: dict[str, str]) -> None:
+        """Record what the run reads (name -> fingerprint, e.g. "dataset", "model", "tokenizer") on
+        its first start; when resuming, refuse to continue on inputs that changed since."""
+        path = self.path / INPUTS_FILE
+        if path.exists() and self.resumed:
+            old = read_json(path)
+            changed = [name for name, value in inputs.items() if name in old and old[name] != value]
+            if changed:
+                raise AssayError(
+                    f"{self.path} was started on another {' and '.join(changed)}: the "
+                    f"{changed[0]} changed since the interrupted run began; restore it to resume, "
+                    f"or delete {self.path} to start afresh"
+                )
+        write_json(path, inputs)
 
     def commit(self, summary: dict[str, Any] | None = None) -> Path:
         """Mark the run finished and move it into place in one rename."""
@@ -155,21 +285,33 @@ class RunFolder:
         if self.final.exists():
             os.replace(self.final, old)
         os.replace(self.path, self.final)
+        # the lock file moved with the folder: drop it, then release (a process that opened
+        # `.part/.lock` before the rename is refused; one that comes later finds no `.part`)
+        (self.final / LOCK_FILE).unlink(missing_ok=True)
+        self.close()
         shutil.rmtree(old, ignore_errors=True)
         return self.final
 
 
 @contextmanager
-def run_folder(out: Path | str, command: str, cfg: Any, overwrite: bool = False) -> Iterator[RunFolder]:
-    """Open a run folder; commit it when the block finishes, keep `.part` if it fails.
+def run_folder(
+    out: Path | str,
+    command: str,
+    cfg: Any,
+    overwrite: bool = False,
+    free: Iterable[str] = (),
+    resumable: bool = True,
+) -> Iterator[RunFolder]:
+    """Open a run folder; commit it when the block finishes, keep `.part` if it fails (removed
+    when it holds no work). A full disk anywhere inside is one line (AssayError).
 
-    Under torchrun, rank 0 opens and commits the folder; every rank raises the same error if
-    it cannot be opened, and inside the block each rank writes only its own files or rows.
+    Under torchrun, rank 0 opens, locks and commits the folder; every rank raises the same error
+    if it cannot be opened, and inside the block each rank writes only its own files or rows.
     """
     from assay.core.distributed import Distributed
 
     dist = Distributed.current()
-    run, error = RunFolder(out, command, cfg, overwrite), None
+    run, error = RunFolder(out, command, cfg, overwrite, free, resumable), None
     if dist.is_main:
         try:
             run.open()
@@ -177,13 +319,37 @@ def run_folder(out: Path | str, command: str, cfg: Any, overwrite: bool = False)
             error = str(e)
     error = dist.agree(error)
     if error:
+        run.abandon()
         raise AssayError(error)
     run.resumed = bool(dist.broadcast_object(run.resumed))
-    yield run
-    dist.barrier()  # every rank's rows are on disk before rank 0 renames the folder
-    if dist.is_main:
-        run.commit()
+    try:
+        yield run
+        dist.barrier()  # every rank's rows are on disk before rank 0 renames the folder
+        if dist.is_main:
+            run.commit()
+    except BaseException as e:
+        run.abandon()
+        full = as_disk_full(e, run.path)
+        if full is not None:
+            raise full from None
+        raise
     dist.barrier()
+
+
+def check_inputs(run: RunFolder, inputs: dict[str, str]) -> None:
+    """`RunFolder.check_inputs` on rank 0 under torchrun (every rank raises the same error)."""
+    from assay.core.distributed import Distributed
+
+    dist = Distributed.current()
+    error = None
+    if dist.is_main:
+        try:
+            run.check_inputs(inputs)
+        except AssayError as e:
+            error = str(e)
+    error = dist.agree(error)
+    if error:
+        raise AssayError(error)
 
 
 def load_run_config(run_dir: Path | str) -> dict[str, Any]:
