@@ -23,6 +23,7 @@ from torch import nn
 
 from assay.attribution import index as ix
 from assay.attribution.collector import DEFAULT_MODULES, GradientCollector, Objective, linear_modules
+from assay.attribution.index import save_preconditioner_stats
 from assay.attribution.kfac import Kind, save_factors
 from assay.attribution.kfac_fit import fit_kfac
 from assay.attribution.normalizers import (
@@ -35,19 +36,34 @@ from assay.attribution.projection import Projector
 from assay.core import fsdp
 from assay.core.config import DataConfig, ModelConfig, RuntimeConfig
 from assay.core.console import note
+from assay.core.disk import reserve
 from assay.core.distributed import Distributed
 from assay.core.errors import AssayError
-from assay.core.precision import STATS_DTYPE, PrecisionPolicy, full_precision
+from assay.core.precision import PrecisionPolicy
 from assay.core.progress import Progress
-from assay.core.runs import config_from_dict, config_to_dict, read_json, run_folder, write_json
-from assay.lm.data import Examples, collate, load_examples, token_batches, tokenizer_fingerprint
+from assay.core.runs import check_inputs, config_from_dict, config_to_dict, read_json, run_folder, write_json
+from assay.lm.data import (
+    Examples,
+    collate,
+    examples_fingerprint,
+    load_examples,
+    token_batches,
+    tokenizer_fingerprint,
+)
 from assay.lm.lean import keep_compute_casts
 from assay.lm.losses import example_losses
-from assay.lm.models import load_model, load_sharded_model, load_tokenizer, model_fingerprint, setup_runtime
+from assay.lm.models import (
+    FINGERPRINT_VERSION,
+    load_model,
+    load_sharded_model,
+    load_tokenizer,
+    model_fingerprint,
+    setup_runtime,
+)
 
 PROGRESS_FILE = "progress.json"
 FLOAT16_MAX = 65504.0
-MAX_STATS_DIM = 8192  # a [d, d] fp32 matrix per module: 256 MB at this size
+MAX_PROJECTION = 2048  # p² numbers per module and example: 4M at this width
 
 
 @dataclass
@@ -98,8 +114,13 @@ class BuildConfig:
     """Replace a finished index in OUT."""
 
     def __post_init__(self) -> None:
-        if self.projection_dim < 0:
-            raise AssayError(f"--projection_dim must be >= 0, got {self.projection_dim}")
+        if not 0 <= self.projection_dim <= MAX_PROJECTION:
+            raise AssayError(
+                f"--projection_dim must be in [0, {MAX_PROJECTION}] (0: raw weight gradients), "
+                f"got {self.projection_dim}"
+            )
+        if not 0.0 <= self.normalizer_beta2 < 1.0:
+            raise AssayError(f"--normalizer_beta2 must lie in [0, 1), got {self.normalizer_beta2}")
         if self.token_batch_size < 1:
             raise AssayError(f"--token_batch_size must be positive, got {self.token_batch_size}")
         if self.optimizer_state and self.normalizer == "none":
@@ -126,6 +147,8 @@ class GradientSetup:
     projector: Projector
     normalizer: Normalizer | None
     pad_id: int
+    fingerprint: str | None = None
+    """The model's fingerprint when it was checked against an index (saves hashing it again)."""
 
     def collector(self) -> GradientCollector:
         return GradientCollector(self.model, self.modules, self.projector, self.policy, self.normalizer)
@@ -164,22 +187,29 @@ def layout_dim(setup: GradientSetup) -> int:
     return setup.collector().dim
 
 
-def setup_from_index(index: ix.GradientIndex, device: str = "auto") -> GradientSetup:
-    """Load model, tokenizer, policy, modules, projector and normalizer as the index was built."""
-    cfg = config_from_dict(BuildConfig, index.meta["config"])
+def setup_from_index(
+    index: ix.GradientIndex, device: str = "auto", trust_remote_code: bool = False
+) -> GradientSetup:
+    """Load model, tokenizer, policy, modules, projector and normalizer as the index was built.
+
+    `trust_remote_code` comes from the caller (the command line), never from the index's saved
+    config: an index received from someone else must not run code shipped with its model."""
+    cfg = config_from_dict(BuildConfig, index.meta["config"], trust_remote_code=trust_remote_code)
     runtime = dataclasses.replace(cfg.runtime, device=device, precision=index.meta["precision"])
     _, policy = setup_runtime(runtime)
+    tensors = index.normalizer_tensors()  # before loading a model: a missing file is refused at once
+    normalizer = Normalizer(index.meta["normalizer"], tensors) if tensors else None
     tokenizer = load_tokenizer(cfg.model)
     model = load_model(cfg.model, policy, cfg.runtime.attention)
-    if model_fingerprint(model) != index.meta["model"]["fingerprint"]:
+    fingerprint = ix.index_fingerprint(model, index.meta)
+    if fingerprint != index.meta["model"]["fingerprint"]:
         raise AssayError(f"model {cfg.model.model!r} is not the one {index.path} was built with")
     modules = linear_modules(model, cfg.modules)
     if list(modules) != list(index.modules):
         raise AssayError(f"{index.path}: the model's modules differ from the index's")
-    tensors = index.normalizer_tensors()
-    normalizer = Normalizer(index.meta["normalizer"], tensors) if tensors else None
     projector = Projector(index.meta["projection_dim"], index.meta["projection_seed"])
-    return GradientSetup(model, tokenizer, policy, modules, projector, normalizer, tokenizer.pad_token_id)
+    pad = tokenizer.pad_token_id
+    return GradientSetup(model, tokenizer, policy, modules, projector, normalizer, pad, fingerprint)
 
 
 def build_index(cfg: BuildConfig) -> dict[str, Any]:
@@ -196,6 +226,9 @@ def build_index(cfg: BuildConfig) -> dict[str, Any]:
         else:
             model = load_model(cfg.model, policy, cfg.runtime.attention)
         modules = linear_modules(model, cfg.modules)
+        fingerprint = model_fingerprint(model)  # of the fp32 weights, before any cast
+        inputs = {"dataset": examples_fingerprint(examples), "model": fingerprint}
+        check_inputs(run, {**inputs, "tokenizer": tokenizer_fingerprint(tokenizer)})
         # Rank 0 estimates the normalizer and saves it, the others then load that file; with
         # sharded weights every rank must join its forward/backward passes, so all estimate.
         with nullcontext() if cfg.fsdp else dist.main_first():
@@ -204,10 +237,10 @@ def build_index(cfg: BuildConfig) -> dict[str, Any]:
             fit_curvature(cfg, run.path, model, modules, examples, policy, tokenizer.pad_token_id)
         projector = Projector(cfg.projection_dim, cfg.projection_seed)
         setup = GradientSetup(
-            model, tokenizer, policy, modules, projector, normalizer, tokenizer.pad_token_id
+            model, tokenizer, policy, modules, projector, normalizer, tokenizer.pad_token_id, fingerprint
         )
         col = setup.collector()
-        meta = _metadata(cfg, setup, col, examples, tokenizer)  # fingerprints the fp32 weights
+        meta = _metadata(cfg, setup, col, examples, tokenizer)
         keep_compute_casts(model, policy)  # from here on the model only collects gradients
         if dist.is_main:
             write_json(run.path / ix.META_FILE, meta)
@@ -215,6 +248,9 @@ def build_index(cfg: BuildConfig) -> dict[str, Any]:
         summary = write_rows(setup, examples, run.path, cfg)
         if cfg.preconditioner != "none":
             save_preconditioner_stats(run.path, meta, cfg.stats_samples, cfg.runtime.seed)
+        dist.barrier()  # every file is written before rank 0 records their checksums
+        if dist.is_main:
+            ix.write_checksums(run.path, meta)
     return {**meta, **summary}
 
 
@@ -239,7 +275,8 @@ def _metadata(cfg: BuildConfig, setup: GradientSetup, col: GradientCollector, ex
         "preconditioner": cfg.preconditioner,
         "model": {
             "name": cfg.model.model,
-            "fingerprint": model_fingerprint(setup.model),
+            "fingerprint": setup.fingerprint or model_fingerprint(setup.model),
+            "fingerprint_version": FINGERPRINT_VERSION,
             "tokenizer_fingerprint": tokenizer_fingerprint(tok),
             "lora": lora,
         },
@@ -316,6 +353,7 @@ def _open_arrays(folder: Path, n: int, dim: int, store_dtype: str) -> tuple[list
         if arr is None or arr.shape != shape or arr.dtype != np.dtype(dtype):
             arr = np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=shape)
             fresh = True
+        reserve(path)  # every block allocated now: a full disk is one line here, never a SIGBUS later
         arrays.append(arr)
     return arrays, fresh
 
@@ -347,6 +385,7 @@ def write_rows(setup: GradientSetup, examples: Examples, folder: Path, cfg: Buil
             iter_gradients(setup, examples, todo), done + 1
         ):
             if batches[k - 1] is not None:
+                refuse_non_finite(grads, losses, examples.ids[positions], setup.policy)
                 stored = _to_store(grads, cfg.store_dtype)
                 grads_out[positions] = stored
                 norms_out[positions] = np.linalg.norm(stored.astype(np.float32, copy=False), axis=1)
@@ -362,6 +401,23 @@ def write_rows(setup: GradientSetup, examples: Examples, folder: Path, cfg: Buil
     return {"tokens_per_s": tokens / elapsed, "seconds": elapsed, "resumed_batches": int(resumed)}
 
 
+def refuse_non_finite(
+    grads: torch.Tensor, losses: torch.Tensor, ids: np.ndarray, policy: PrecisionPolicy
+) -> None:
+    """One line naming the first example whose gradient row [D] or loss is inf or NaN: such a row
+    would score NaN against every query (and NaN sorts as the best)."""
+    finite = torch.isfinite(grads).all(dim=1) & torch.isfinite(losses)  # [B]
+    if bool(finite.all()):
+        return
+    first = int(ids[int((~finite).nonzero()[0])])
+    hint = (
+        "fp16 overflowed; rebuild with --precision bf16 or fp32"
+        if policy.name == "fp16"
+        else "check that example's text, or rebuild with --precision fp32"
+    )
+    raise AssayError(f"example {first} has a non-finite gradient or loss (inf/NaN) at {policy.name}: {hint}")
+
+
 def _to_store(grads: torch.Tensor, store_dtype: str) -> np.ndarray:
     """[B, D] fp32 -> store dtype; float16 refuses (loudly) to overflow."""
     rows = grads.cpu().numpy()
@@ -373,31 +429,3 @@ def _to_store(grads: torch.Tensor, store_dtype: str) -> np.ndarray:
                 "rebuild with --store_dtype float32"
             )
     return rows.astype(store_dtype)
-
-
-def save_preconditioner_stats(folder: Path, meta: dict[str, Any], samples: int, seed: int) -> None:
-    """Per-module fp32 Σ g gᵀ over a seeded sample of the stored rows, autocast off."""
-    from safetensors.torch import save_file
-
-    too_big = [m["name"] for m in meta["modules"] if m["stop"] - m["start"] > MAX_STATS_DIM]
-    if too_big:
-        raise AssayError(
-            f"module {too_big[0]} has too many columns for a preconditioner; use --projection_dim"
-        )
-    dist = Distributed.current()
-    dist.barrier()  # every rank's rows are on disk
-    grads = np.load(folder / ix.GRADIENTS_FILE, mmap_mode="r")
-    rows = sample_positions(grads.shape[0], samples, seed)
-    sums = {m["name"]: torch.zeros(m["stop"] - m["start"], m["stop"] - m["start"]) for m in meta["modules"]}
-    with full_precision("cpu"):
-        for i in dist.interleave(range(0, len(rows), 1024)):  # each rank sums its chunks
-            chunk = torch.from_numpy(np.asarray(grads[rows[i : i + 1024]], dtype=np.float32))  # [n, D]
-            for m in meta["modules"]:
-                x = chunk[:, m["start"] : m["stop"]].to(STATS_DTYPE)
-                sums[m["name"]] += x.T @ x
-    for total in sums.values():
-        dist.all_reduce_(total)  # fp32 sums over ranks
-    if not dist.is_main:
-        return
-    sums["__count__"] = torch.tensor(float(len(rows)), dtype=STATS_DTYPE)
-    save_file(sums, str(folder / ix.PRECONDITIONER_FILE))

@@ -8,20 +8,35 @@ Layout of an index folder (see docs/index-format.md):
     normalizer.safetensors     optional, fp32
     preconditioner.safetensors optional, fp32 sums of g gᵀ per module + "__count__"
     kfac.safetensors           optional (--preconditioner kfac|ekfac): K-FAC eigenbases (+ EK-FAC Λ)
+    checksums.json             size and sha256 of each file above, written when the build finishes
+
+`open_index` verifies the folder before anything reads it: the files index.json says the build
+made must be there (a normalizer or preconditioner silently missing would change every score),
+each must have its recorded size, and its recorded hash — in full for files up to
+FULL_HASH_BYTES, and for larger ones (the gradient rows of a big index) over a fixed sample of
+blocks (the header, the first and last MiB, 64 blocks spread evenly), so opening stays cheap
+whatever N is. `verify="full"` hashes every byte.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
 
 from assay.attribution.kfac import KronFactors, load_factors
-from assay.core.errors import AssayError
-from assay.core.runs import DONE_FILE, read_json
+from assay.attribution.normalizers import sample_positions
+from assay.core.console import note
+from assay.core.distributed import Distributed
+from assay.core.errors import AssayError, first_line
+from assay.core.precision import STATS_DTYPE, full_precision
+from assay.core.runs import DONE_FILE, read_json, write_json
+from assay.lm.models import FINGERPRINT_VERSION, fingerprint_as
 
 META_FILE = "index.json"
 GRADIENTS_FILE = "gradients.npy"
@@ -32,7 +47,12 @@ NORMS_FILE = "norms.npy"
 NORMALIZER_FILE = "normalizer.safetensors"
 PRECONDITIONER_FILE = "preconditioner.safetensors"
 KFAC_FILE = "kfac.safetensors"
+MAX_STATS_DIM = 8192  # a [d, d] fp32 matrix per module: 256 MB at this size
+CHECKSUMS_FILE = "checksums.json"
 FORMAT_VERSION = 1
+FULL_HASH_BYTES = 64 << 20
+SAMPLE_BLOCKS, SAMPLE_BLOCK, SAMPLE_ENDS = 64, 64 << 10, 1 << 20
+Verify = Literal["fast", "full", "none"]
 
 
 @dataclass
@@ -66,9 +86,9 @@ class GradientIndex:
             raise AssayError(
                 f"{self.path} has no preconditioner statistics; rebuild it with --preconditioner trackstar"
             )
-        from safetensors.torch import load_file
-
-        tensors = load_file(str(path))
+        tensors = load_safetensors(path)
+        if "__count__" not in tensors:
+            raise AssayError(f"{path} is damaged (no __count__); rebuild the index")
         count = int(tensors.pop("__count__").item())
         return {k: v.to(torch.float32) for k, v in tensors.items()}, count
 
@@ -81,24 +101,45 @@ class GradientIndex:
             raise AssayError(
                 f"{self.path} says it was built with {self.meta['preconditioner']} but has no {KFAC_FILE}"
             )
-        return load_factors(path)
+        try:
+            return load_factors(path)
+        except AssayError:
+            raise
+        except Exception as e:  # safetensors' own error for a torn or garbled file
+            raise AssayError(f"{path} is damaged ({first_line(e)}); rebuild the index") from None
 
     def normalizer_tensors(self) -> dict[str, torch.Tensor]:
-        """The fp32 normalizer tensors the index was built with (empty when none)."""
+        """The fp32 normalizer tensors the index was built with (empty when built without one).
+        An index that says it was normalized must have them: without them every query's gradient
+        would be taken unnormalized and compared with normalized rows."""
         path = self.path / NORMALIZER_FILE
-        if not path.exists():
+        if self.meta.get("normalizer", "none") == "none":
             return {}
-        from safetensors.torch import load_file
+        if not path.exists():
+            raise AssayError(
+                f"{self.path} says it was built with the {self.meta['normalizer']} normalizer but has no "
+                f"{NORMALIZER_FILE}; restore that file or rebuild the index"
+            )
+        return load_safetensors(path)
 
+
+def load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file; a torn or garbled file is one line."""
+    from safetensors.torch import load_file
+
+    try:
         return dict(load_file(str(path)))
+    except Exception as e:  # SafetensorError (no public type to catch), OSError, ...
+        raise AssayError(f"{path} is damaged ({first_line(e)}); rebuild the index") from None
 
 
 def module_slices(meta: dict[str, Any]) -> dict[str, slice]:
     return {m["name"]: slice(int(m["start"]), int(m["stop"])) for m in meta["modules"]}
 
 
-def open_index(path: Path | str) -> GradientIndex:
-    """Open a finished index (memory-mapped). Clear errors for incomplete or foreign folders."""
+def open_index(path: Path | str, verify: Verify = "fast") -> GradientIndex:
+    """Open a finished index (memory-mapped), verified first (see the module docstring).
+    Clear errors for incomplete, damaged or foreign folders."""
     path = Path(path)
     if not path.exists():
         part = path.with_name(path.name + ".part")
@@ -110,18 +151,135 @@ def open_index(path: Path | str) -> GradientIndex:
     if not (path / META_FILE).exists():
         raise AssayError(f"{path} is not a gradient index (no {META_FILE}); build one with `assay build`")
     if not (path / DONE_FILE).exists():
-        raise AssayError(f"{path} is an incomplete index; rerun `assay build` with the same arguments")
+        raise AssayError(
+            f"{path} has no {DONE_FILE}, so it is not a finished index (damaged or copied in part); "
+            f"rebuild it with `assay replay {path} --overwrite`"
+        )
     meta = read_json(path / META_FILE)
+    if verify != "none":
+        verify_files(path, meta, verify == "full")
     try:
         grads = np.load(path / GRADIENTS_FILE, mmap_mode="r", allow_pickle=False)
         ids = np.load(path / IDS_FILE, allow_pickle=False)
         losses = np.load(path / LOSSES_FILE, allow_pickle=False)
         tokens = np.load(path / TOKENS_FILE, allow_pickle=False)
         norms = np.load(path / NORMS_FILE, allow_pickle=False) if (path / NORMS_FILE).exists() else None
-    except (FileNotFoundError, ValueError) as e:
-        raise AssayError(f"{path} is a damaged index: {e}") from None
-    if grads.shape != (meta["num_examples"], meta["dim"]) or len(ids) != grads.shape[0]:
+    except (OSError, ValueError, EOFError) as e:  # missing, empty, torn or foreign .npy files
+        raise AssayError(f"{path} is a damaged index: {first_line(e)}") from None
+    if grads.ndim != 2 or grads.shape != (meta["num_examples"], meta["dim"]) or ids.shape != (len(grads),):
         raise AssayError(f"{path} is a damaged index: shapes disagree with {META_FILE}")
-    if norms is not None and norms.shape != (len(ids),):
-        raise AssayError(f"{path} is a damaged index: {NORMS_FILE} has {norms.shape}, not ({len(ids)},)")
+    for name, arr in ((LOSSES_FILE, losses), (TOKENS_FILE, tokens), (NORMS_FILE, norms)):
+        if arr is not None and arr.shape != (len(ids),):
+            raise AssayError(f"{path} is a damaged index: {name} has {arr.shape}, not ({len(ids)},)")
     return GradientIndex(path, grads, module_slices(meta), ids, losses, tokens, meta, norms)
+
+
+def expected_files(meta: dict[str, Any]) -> list[str]:
+    """The files a finished index must hold, given what index.json says it was built with."""
+    names = [META_FILE, GRADIENTS_FILE, IDS_FILE, LOSSES_FILE, TOKENS_FILE]
+    if meta.get("normalizer", "none") != "none":
+        names.append(NORMALIZER_FILE)
+    if meta.get("preconditioner", "none") != "none":
+        names.append(PRECONDITIONER_FILE)
+    if meta.get("preconditioner") in ("kfac", "ekfac"):
+        names.append(KFAC_FILE)
+    return names
+
+
+def file_digest(path: Path, sampled: bool = False) -> str:
+    """sha256 (hex) of a file's size and bytes: every byte, or (`sampled`) the first and last
+    SAMPLE_ENDS bytes and SAMPLE_BLOCKS blocks of SAMPLE_BLOCK bytes spread evenly."""
+    size = os.path.getsize(path)
+    h = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        if not sampled:
+            while chunk := f.read(8 << 20):
+                h.update(chunk)
+            return h.hexdigest()
+        step = max(size - SAMPLE_BLOCK, 0) // (SAMPLE_BLOCKS - 1)
+        spans = [(0, SAMPLE_ENDS), (max(size - SAMPLE_ENDS, 0), SAMPLE_ENDS)]
+        for start, length in spans + [(k * step, SAMPLE_BLOCK) for k in range(SAMPLE_BLOCKS)]:
+            h.update(os.pread(f.fileno(), length, start))
+    return h.hexdigest()
+
+
+def write_checksums(path: Path, meta: dict[str, Any]) -> None:
+    """Record the size and digests of every file the index holds (at the end of a build): the
+    full sha256, and for files over FULL_HASH_BYTES also the sampled one `open_index` checks."""
+    names = expected_files(meta) + [n for n in (NORMS_FILE,) if (path / n).exists()]
+    files: dict[str, dict[str, Any]] = {}
+    for name in names:
+        size = os.path.getsize(path / name)
+        files[name] = {"size": size, "sha256": file_digest(path / name)}
+        if size > FULL_HASH_BYTES:
+            files[name]["sampled_sha256"] = file_digest(path / name, sampled=True)
+    write_json(path / CHECKSUMS_FILE, {"format": "assay-index-checksums-v1", "files": files})
+
+
+def verify_files(path: Path, meta: dict[str, Any], full: bool = False) -> None:
+    """Refuse an index whose files are missing, resized or changed since it was built (one line).
+    An index from before checksums.json is checked for its files' presence only."""
+    for name in expected_files(meta):
+        if not (path / name).is_file():
+            raise AssayError(
+                f"{path} is a damaged index: index.json says it was built with {name}, which is "
+                f"missing; restore it or rebuild the index (`assay replay {path} --overwrite`)"
+            )
+    if not (path / CHECKSUMS_FILE).exists():
+        return
+    recorded = read_json(path / CHECKSUMS_FILE).get("files", {})
+    for name, want in recorded.items():
+        file = path / name
+        if not file.is_file():
+            raise AssayError(f"{path} is a damaged index: {name} is missing; rebuild the index")
+        size = os.path.getsize(file)
+        if size != want["size"]:
+            raise AssayError(
+                f"{path} is a damaged index: {name} has {size:,} bytes, {want['size']:,} when built; "
+                "rebuild the index"
+            )
+        sampled = not full and "sampled_sha256" in want
+        if file_digest(file, sampled) != want["sampled_sha256" if sampled else "sha256"]:
+            raise AssayError(
+                f"{path} is a damaged index: {name} changed since it was built (checksum); rebuild the "
+                f"index (`assay replay {path} --overwrite`)"
+            )
+
+
+def index_fingerprint(model: torch.nn.Module, meta: dict[str, Any]) -> str:
+    """The model's fingerprint of the kind the index recorded (an index from before byte
+    fingerprints is checked with the older, weaker one, and says so)."""
+    version = int(meta["model"].get("fingerprint_version", 1))
+    if version < FINGERPRINT_VERSION:
+        note("this index records the older model fingerprint (weight sums): rebuild it for the strict check")
+    return fingerprint_as(model, version)
+
+
+def save_preconditioner_stats(folder: Path, meta: dict[str, Any], samples: int, seed: int) -> None:
+    """Per-module fp32 Σ g gᵀ over a seeded sample of the stored rows, autocast off."""
+    from safetensors.torch import save_file
+
+    too_big = [m["name"] for m in meta["modules"] if m["stop"] - m["start"] > MAX_STATS_DIM]
+    if too_big:
+        raise AssayError(
+            f"module {too_big[0]} has too many columns for a preconditioner; use --projection_dim"
+        )
+    dist = Distributed.current()
+    dist.barrier()  # every rank's rows are on disk
+    grads = np.load(folder / GRADIENTS_FILE, mmap_mode="r")
+    rows = sample_positions(grads.shape[0], samples, seed)
+    sums = {m["name"]: torch.zeros(m["stop"] - m["start"], m["stop"] - m["start"]) for m in meta["modules"]}
+    with full_precision("cpu"):
+        for i in dist.interleave(range(0, len(rows), 1024)):  # each rank sums its chunks
+            chunk = torch.from_numpy(np.asarray(grads[rows[i : i + 1024]], dtype=np.float32))  # [n, D]
+            for m in meta["modules"]:
+                x = chunk[:, m["start"] : m["stop"]].to(STATS_DTYPE)
+                sums[m["name"]] += x.T @ x
+    for total in sums.values():
+        dist.all_reduce_(total)  # fp32 sums over ranks
+    if not dist.is_main:
+        return
+    sums["__count__"] = torch.tensor(float(len(rows)), dtype=STATS_DTYPE)
+    tmp = folder / (PRECONDITIONER_FILE + ".tmp")  # atomic: never half a file under its name
+    save_file(sums, str(tmp))
+    tmp.replace(folder / PRECONDITIONER_FILE)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import mmap
 import threading
 import warnings
@@ -483,12 +484,18 @@ def stacked_scores(plan: QueryPlan, rows: torch.Tensor, start: int) -> torch.Ten
 
 @dataclass
 class TopRows:
-    """Best (proponents) and worst (opponents) rows per score column, by row position."""
+    """Best (proponents) and worst (opponents) rows per score column, by row position.
+
+    A row whose score is not finite (a damaged row: inf or NaN in it) is ranked last on both
+    sides, with value -inf among the proponents and +inf among the opponents; `non_finite_rows`
+    counts them and `first_non_finite` is the first one's position (-1: none)."""
 
     top_values: torch.Tensor  # [A, k] descending
     top_rows: torch.Tensor  # [A, k] int64
     bottom_values: torch.Tensor  # [A, k] ascending
     bottom_rows: torch.Tensor  # [A, k] int64
+    non_finite_rows: int = 0
+    first_non_finite: int = -1
 
 
 class RunningTop:
@@ -499,11 +506,23 @@ class RunningTop:
         empty = torch.empty(columns, 0)
         self.top = (empty, empty.long())
         self.bottom = (empty, empty.long())
+        self.non_finite_rows, self.first_non_finite = 0, -1
 
     def update(self, scores: torch.Tensor, start: int, positions: torch.Tensor | None = None) -> None:
-        """`scores` [A, C] of rows start..start+C, or of the rows at `positions` [C]."""
-        self.top = self._merge(self.top, scores, start, positions, largest=True)
-        self.bottom = self._merge(self.bottom, scores, start, positions, largest=False)
+        """`scores` [A, C] of rows start..start+C, or of the rows at `positions` [C]. Non-finite
+        scores rank last (NaN would otherwise sort as the best)."""
+        finite = torch.isfinite(scores)
+        high = low = scores
+        if not bool(finite.all()):
+            bad = (~finite).any(0).nonzero().squeeze(1)  # [b] chunk columns of damaged rows
+            rows = bad + start if positions is None else positions[bad]
+            if self.first_non_finite < 0:
+                self.first_non_finite = int(rows.min())
+            self.non_finite_rows += len(rows)
+            high = scores.masked_fill(~finite, -math.inf)
+            low = scores.masked_fill(~finite, math.inf)
+        self.top = self._merge(self.top, high, start, positions, largest=True)
+        self.bottom = self._merge(self.bottom, low, start, positions, largest=False)
 
     def _merge(self, best, scores, start, positions, largest):
         k = min(self.k, scores.shape[1])
@@ -514,7 +533,14 @@ class RunningTop:
         return vals.gather(1, keep), rows.gather(1, keep)
 
     def result(self) -> TopRows:
-        return TopRows(self.top[0], self.top[1], self.bottom[0], self.bottom[1])
+        return TopRows(
+            self.top[0],
+            self.top[1],
+            self.bottom[0],
+            self.bottom[1],
+            self.non_finite_rows,
+            self.first_non_finite,
+        )
 
 
 def score_rows(

@@ -61,6 +61,7 @@ in² + out² + out·in numbers per module.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -238,7 +239,9 @@ def save_factors(factors: KronFactors, path: str | Path) -> Path:
         "examples": str(factors.examples),
         "modules": json.dumps(layout_meta),
     }
-    save_file(tensors, str(path), metadata=meta)
+    tmp = path.with_name(path.name + ".tmp")  # atomic: a build killed while saving resumes cleanly
+    save_file(tensors, str(tmp), metadata=meta)
+    os.replace(tmp, path)
     return path
 
 

@@ -32,7 +32,7 @@ does, so the backward still reaches every hooked module.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from typing import Any
 
@@ -59,6 +59,7 @@ from assay.attribution.kfac import (
 from assay.core.distributed import Distributed
 from assay.core.errors import AssayError
 from assay.core.precision import STATS_DTYPE, PrecisionPolicy, check_finite, full_precision
+from assay.core.progress import Progress
 from assay.lm.hooks import is_conv1d
 from assay.lm.losses import token_losses
 
@@ -255,14 +256,25 @@ def _run(
     batches: Iterable[dict[str, torch.Tensor]],
     loss_fn: Objective,
     dist: Distributed | None,
+    desc: str,
 ) -> None:
-    with collector:
+    total = sum(_batch_size(b) for b in batches) if isinstance(batches, Sequence) else 0
+    main = dist is None or dist.is_main
+    with collector, Progress(total, desc, enabled=main and total > 0) as bar:
         for batch in batches:
             collector.step({k: v.to(collector.policy.device) for k, v in batch.items()}, loss_fn)
+            mask = batch.get("attention_mask")
+            bar.update(_batch_size(batch), int(mask.sum()) if mask is not None else 0)
     if dist is not None:
         collector.all_reduce(dist)
     if not collector.counts.get("examples"):
         raise AssayError("no batches to fit K-FAC factors on")
+
+
+def _batch_size(batch: dict[str, torch.Tensor]) -> int:
+    """Examples in a batch: the leading size of its first tensor (any keys a loss_fn reads)."""
+    first = next(iter(batch.values()), None)
+    return int(first.shape[0]) if isinstance(first, torch.Tensor) and first.ndim else 0
 
 
 def covariance_bases(collector: FactorCollector) -> Bases:
@@ -307,13 +319,13 @@ def fit_kfac(
     )
     chosen = modules if isinstance(modules, dict) else linear_modules(model, modules)
     first = FactorCollector(model, chosen, policy, block_size)
-    _run(first, batches, loss_fn, dist)
+    _run(first, batches, loss_fn, dist, "K-FAC factors")
     bases = covariance_bases(first)
     examples = first.counts["examples"]
     corrected: dict[str, torch.Tensor] = {}
     if kind == "ekfac":
         second = FactorCollector(model, chosen, policy, block_size, bases)
-        _run(second, batches, loss_fn, dist)
+        _run(second, batches, loss_fn, dist, "EK-FAC eigenvalues")
         examples = second.counts["examples"]
         corrected = {n: second.sums[f"{n}|lambda"] / examples for n in chosen if f"{n}|lambda" in second.sums}
     factors = {

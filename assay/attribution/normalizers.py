@@ -25,9 +25,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from assay.core.errors import AssayError
+from assay.core.distributed import Distributed
+from assay.core.errors import AssayError, first_line
 from assay.core.fsdp import full_tensor
 from assay.core.precision import STATS_DTYPE, PrecisionPolicy, full_precision
+from assay.core.progress import Progress
 from assay.lm.data import Examples, collate, token_batches
 from assay.lm.hooks import is_conv1d
 from assay.lm.losses import example_losses
@@ -70,9 +72,12 @@ class Normalizer:
     def load(cls, path: Path) -> Normalizer:
         from safetensors import safe_open
 
-        with safe_open(str(path), framework="pt") as f:
-            kind = (f.metadata() or {}).get("kind", "")
-            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                kind = (f.metadata() or {}).get("kind", "")
+                tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+        except Exception as e:  # SafetensorError for a torn or garbled file
+            raise AssayError(f"{path} is damaged ({first_line(e)})") from None
         if kind not in ("adafactor", "adam"):
             raise AssayError(f"{path} is not an assay normalizer file")
         return cls(kind, tensors)  # type: ignore[arg-type]
@@ -121,6 +126,7 @@ def estimate_normalizer(
         m.weight.requires_grad_(True)  # type: ignore[union-attr]
     moments: dict[str, torch.Tensor] = {}
     steps = 0
+    bar = Progress(len(examples), f"{kind} moments", enabled=Distributed.current().is_main)
     try:
         for positions in token_batches(examples, token_batch_size):
             batch = collate(examples, positions, pad_id, policy.device)
@@ -139,7 +145,9 @@ def estimate_normalizer(
                     sq = torch.square(g) + (TINY if kind == "adafactor" else 0.0)
                     prev = moments.get(name, torch.zeros_like(sq))
                     moments[name] = beta2 * prev + (1 - beta2) * sq
+            bar.update(len(positions), int(batch["attention_mask"].sum()))
     finally:
+        bar.close()
         model.zero_grad(set_to_none=True)
         for n, p in model.named_parameters():
             p.requires_grad_(saved[n])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -51,8 +52,8 @@ class ScoreOptions:
             raise AssayError("--top_k must be positive and --chunk_rows >= 0")
         if self.mix is not None and not 0.0 <= self.mix <= 1.0:
             raise AssayError(f"--mix must be in [0, 1], got {self.mix}")
-        if self.damping < 0 or not 0.0 < self.mix_fraction <= 1.0:
-            raise AssayError("--damping must be >= 0 and --mix_fraction in (0, 1]")
+        if not 0 <= self.damping < math.inf or not 0.0 < self.mix_fraction <= 1.0:
+            raise AssayError("--damping must be a finite number >= 0 and --mix_fraction in (0, 1]")
         if self.faiss_lists < 0 or self.faiss_probe < 1:
             raise AssayError("--faiss_lists must be >= 0 and --faiss_probe >= 1")
         if self.search == "faiss" and self.mode not in ("trackstar", "cosine"):

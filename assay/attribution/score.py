@@ -9,6 +9,7 @@ Per-row numbers the fast paths need are cached per index build in the assay cach
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -20,7 +21,7 @@ import torch
 from assay.attribution.ann import load_or_build_ann, search_ann
 from assay.attribution.build import GradientSetup, collect
 from assay.attribution.collector import Objective
-from assay.attribution.index import GradientIndex
+from assay.attribution.index import GradientIndex, index_fingerprint
 from assay.attribution.kernel import (
     ArrayRows,
     TopRows,
@@ -35,20 +36,19 @@ from assay.attribution.options import ScoreOptions
 from assay.attribution.precondition import Whitening, build_whitening, second_moment_sums
 from assay.attribution.projection import Projector
 from assay.core.config import DataConfig
-from assay.core.console import note
+from assay.core.console import note, warn
 from assay.core.distributed import Distributed
 from assay.core.errors import AssayError
 from assay.core.paths import cache_dir
 from assay.core.progress import Progress
 from assay.core.runs import DONE_FILE
 from assay.lm.data import ID_COLUMN, Examples, load_table, texts_of, tokenizer_fingerprint
-from assay.lm.models import model_fingerprint
 
 
 def check_compatible(index: GradientIndex, setup: GradientSetup) -> None:
     """Refuse a model, tokenizer, projection or module set other than the index's (one line)."""
     meta = index.meta
-    if model_fingerprint(setup.model) != meta["model"]["fingerprint"]:
+    if (setup.fingerprint or index_fingerprint(setup.model, meta)) != meta["model"]["fingerprint"]:
         raise AssayError(
             f"the model differs from the one {index.path} was built with ({meta['model']['name']})"
         )
@@ -220,6 +220,12 @@ def score_index(
     plan = plan_queries(queries, mode, o.aggregate, whitening, base, norms)
     with Progress(len(index), "score", unit="row") as bar:
         top = score_rows(ArrayRows(index.gradients), plan, o.top_k, scores_out, chunk_rows, bar.set_done)
+    if top.non_finite_rows:
+        warn(
+            f"{index.path}: {top.non_finite_rows} rows score inf/NaN (first: id "
+            f"{int(index.ids[top.first_non_finite])}); they are ranked last and left out of the results: "
+            "the index is damaged, rebuild it"
+        )
     return top, whitening
 
 
@@ -241,7 +247,15 @@ def query_gradients(
     mine = dist.interleave_array(np.arange(len(examples)))
     share = examples.subset(mine) if dist.active else examples
     rows = collect(setup, share, token_batch_size, objective)  # [len(mine), D] fp32
-    return torch.from_numpy(_assemble(dist.gather((mine, rows)), len(examples)))
+    grads = _assemble(dist.gather((mine, rows)), len(examples))
+    finite = np.isfinite(grads).all(axis=1)
+    if not finite.all():
+        first = int(np.flatnonzero(~finite)[0])
+        raise AssayError(
+            f"query {first} (0-based, in order) has a non-finite gradient (inf/NaN) at {setup.policy.name}; "
+            "check its text, or rebuild the index with --precision fp32"
+        )
+    return torch.from_numpy(grads)
 
 
 def _assemble(parts: list[tuple[np.ndarray, np.ndarray]], n: int) -> np.ndarray:
@@ -264,8 +278,10 @@ def top_records(index: GradientIndex, query_ids: list[Any], top: TopRows, aggreg
             ("proponents", top.top_rows, top.top_values),
             ("opponents", top.bottom_rows, top.bottom_values),
         ):
-            record[key] = [
-                [int(index.ids[r]), float(v)] for r, v in zip(rows[col].tolist(), values[col].tolist())
+            record[key] = [  # non-finite: damaged rows ranked last (score_index warned about them)
+                [int(index.ids[r]), float(v)]
+                for r, v in zip(rows[col].tolist(), values[col].tolist())
+                if math.isfinite(v)
             ]
         records.append(record)
     return records
@@ -282,4 +298,12 @@ def train_texts(index: GradientIndex, ids: set[int]) -> dict[int, str]:
         return {}
     positions = [i for i, v in enumerate(table[ID_COLUMN]) if int(v) in ids]
     subset = table.select(positions)
-    return dict(zip((int(v) for v in subset[ID_COLUMN]), texts_of(subset, data_cfg)))
+    texts = dict(zip((int(v) for v in subset[ID_COLUMN]), texts_of(subset, data_cfg)))
+    missing = sorted(ids - texts.keys())
+    if missing:
+        note(
+            f"{len(missing)} training ids (first: {missing[0]}) are not in {data_cfg.dataset!r} "
+            f"(split {data_cfg.split!r}, {len(table)} rows) as it loads now: the dataset changed since the "
+            "index was built, or the index is damaged; their texts are left out"
+        )
+    return texts

