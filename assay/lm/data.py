@@ -73,6 +73,12 @@ def _load_split(cfg: DataConfig) -> Table:
         return Table.from_jsonl(path)
     path = Path(source)
     if path.is_file():
+        if cfg.split != "train":
+            raise AssayError(
+                f"{source} is a single file, read whole as one split, 'train' (not {cfg.split!r}); hold "
+                "data out with a second file (e.g. --eval_dataset held-out.jsonl) or choose rows with "
+                "--filter_column/--filter_value"
+            )
         return _load_file(path, cfg)
     if path.is_dir():
         return _kept(_load_folder(path, cfg.split), cfg)
@@ -232,6 +238,7 @@ def _tokenize_rows(table: Table, cfg: DataConfig, tokenizer: Any) -> Examples:
     eos = tokenizer.eos_token_id
 
     def encode(column: str, special: bool) -> list[list[int]]:
+        _require_text(table, column, cfg.dataset)
         # verbose=False: we truncate ourselves, so "longer than the maximum length" is noise
         return tokenizer(list(table[column]), add_special_tokens=special, verbose=False)["input_ids"]
 
@@ -251,6 +258,33 @@ def _tokenize_rows(table: Table, cfg: DataConfig, tokenizer: Any) -> Examples:
         tokens=np.concatenate(pieces) if pieces else np.zeros(0, np.int32),
         loss_start=np.asarray(starts, dtype=np.int64),
     )
+
+
+def _require_text(table: Table, column: str, name: str) -> None:
+    """Every value of `column` a string, else one line naming the first row that is not."""
+    for row, value in enumerate(table[column]):
+        if not isinstance(value, str):
+            what = "missing (null)" if value is None else f"a {type(value).__name__}, not text"
+            source_id = table[ID_COLUMN][row] if ID_COLUMN in table.column_names else row
+            raise AssayError(
+                f"dataset {name!r}: row {source_id} has no text in column {column!r} ({what}); "
+                "fix or drop that row"
+            )
+
+
+def examples_fingerprint(*sets: Examples | None) -> str:
+    """A hash of exactly what a run reads of its data: every example's id, tokens (offsets
+    included) and first loss position, for each set in order (None counts as a set too)."""
+    h = hashlib.sha256()
+    for examples in sets:
+        h.update(b"none" if examples is None else b"set")
+        if examples is None:
+            continue
+        for arr in (examples.ids, examples.offsets, examples.tokens, examples.loss_start):
+            data = np.ascontiguousarray(arr)
+            h.update(f"{data.dtype}{data.shape}".encode())
+            h.update(data.tobytes())
+    return h.hexdigest()[:16]
 
 
 def load_examples(cfg: DataConfig, tokenizer: Any) -> tuple[Table, Examples]:

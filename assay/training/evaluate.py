@@ -10,7 +10,8 @@ from typing import Any
 import numpy as np
 import tyro
 
-from assay.core.config import DataConfig, ModelConfig, RuntimeConfig
+from assay.core.config import DataConfig, ModelSource, RuntimeConfig
+from assay.core.errors import AssayError
 from assay.core.runs import run_folder, write_json
 from assay.lm.data import load_examples
 from assay.lm.losses import evaluate_losses
@@ -22,8 +23,9 @@ class EvalConfig:
     """Per-example and mean loss (nats/token) of a model on a dataset."""
 
     out: tyro.conf.Positional[str]
-    """Output folder (written atomically; holds losses.jsonl and summary.json)."""
-    model: tyro.conf.OmitArgPrefixes[ModelConfig] = field(default_factory=ModelConfig)
+    """Output folder (written atomically; holds losses.jsonl and summary.json). An interrupted
+    eval keeps no partial work: rerunning it starts afresh."""
+    model: tyro.conf.OmitArgPrefixes[ModelSource] = field(default_factory=ModelSource)
     data: tyro.conf.OmitArgPrefixes[DataConfig] = field(default_factory=DataConfig)
     runtime: tyro.conf.OmitArgPrefixes[RuntimeConfig] = field(default_factory=RuntimeConfig)
     token_batch_size: int = 4096
@@ -31,9 +33,13 @@ class EvalConfig:
     overwrite: bool = False
     """Replace a finished run in OUT."""
 
+    def __post_init__(self) -> None:
+        if self.token_batch_size < 1:
+            raise AssayError(f"--token_batch_size must be positive, got {self.token_batch_size}")
+
 
 def mean_token_loss(
-    model_cfg: ModelConfig, data_cfg: DataConfig, runtime: RuntimeConfig, token_batch_size: int = 4096
+    model_cfg: ModelSource, data_cfg: DataConfig, runtime: RuntimeConfig, token_batch_size: int = 4096
 ) -> dict[str, Any]:
     """Load, tokenize and evaluate: per-example summed losses and the token-weighted mean."""
     _, policy = setup_runtime(runtime)
@@ -62,7 +68,7 @@ def mean_token_loss(
 
 def evaluate(cfg: EvalConfig) -> dict[str, Any]:
     """Write losses.jsonl (per example) and summary.json (mean nats/token, perplexity) to cfg.out."""
-    with run_folder(cfg.out, "eval", cfg, cfg.overwrite) as run:
+    with run_folder(cfg.out, "eval", cfg, cfg.overwrite, resumable=False) as run:
         result = mean_token_loss(cfg.model, cfg.data, cfg.runtime, cfg.token_batch_size)
         with open(run.path / "losses.jsonl", "w") as f:
             for i, loss, n in zip(result["ids"], result["losses"], result["tokens"]):

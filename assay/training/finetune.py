@@ -11,6 +11,7 @@ step is training/step.py's; this module holds the run: data, resume, evaluation,
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 import time
 from dataclasses import dataclass, field, replace
@@ -22,15 +23,15 @@ import torch
 import tyro
 
 from assay.core import fsdp
-from assay.core.config import DataConfig, ModelConfig, RuntimeConfig
+from assay.core.config import DataConfig, ModelConfig, RuntimeConfig, is_single_file
 from assay.core.console import note
 from assay.core.distributed import Distributed
 from assay.core.errors import AssayError
 from assay.core.precision import PrecisionPolicy, check_finite
 from assay.core.progress import Progress
-from assay.core.runs import config_to_dict, run_folder, write_json
-from assay.lm.data import Examples, load_examples
-from assay.lm.models import load_model, load_sharded_model, load_tokenizer, setup_runtime
+from assay.core.runs import check_inputs, config_to_dict, run_folder, write_json
+from assay.lm.data import Examples, examples_fingerprint, load_examples, tokenizer_fingerprint
+from assay.lm.models import load_model, load_sharded_model, load_tokenizer, model_fingerprint, setup_runtime
 from assay.training import checkpoint as ckpt
 from assay.training.metrics import MetricsLog, start_wandb
 from assay.training.recipe import TrainRecipe
@@ -54,9 +55,10 @@ class FinetuneConfig:
     """A finished full-data `assay finetune` run: replay its visit order, skipping unselected examples."""
     recipe: tyro.conf.OmitArgPrefixes[TrainRecipe] = field(default_factory=TrainRecipe)
     eval_dataset: str | None = None
-    """Dataset for eval loss (default: --dataset)."""
+    """Dataset for eval loss (default: --dataset). A file is read whole (it is one split)."""
     eval_split: str = "eval"
-    """Split for eval loss ("" for none)."""
+    """Split for eval loss ("" for none). A single file has no eval split: give the held-out rows
+    as --eval_dataset FILE, or pick them from --dataset with --eval_filter_column/value."""
     eval_filter_column: str | None = None
     """Keep only eval rows whose column equals --eval_filter_value (e.g. collection)."""
     eval_filter_value: str | None = None
@@ -68,7 +70,8 @@ class FinetuneConfig:
     log_every: int = 10
     """Write the running train loss to metrics.jsonl every N steps."""
     save_every: int = 50
-    """Checkpoint every N steps, so an interrupted run resumes (0: never)."""
+    """Checkpoint every N steps, so an interrupted run resumes (0: never). May change when
+    resuming: it decides where the run can restart, not what it computes."""
     pool_loss: bool = True
     """With --selection, also report the final loss on the whole dataset the subset came from."""
     token_batch_size: int = 8192
@@ -93,6 +96,13 @@ class FinetuneConfig:
             raise AssayError("--ordered replays a full run's order for a --selection; give --selection too")
         if (self.eval_filter_column is None) != (self.eval_filter_value is None):
             raise AssayError("--eval_filter_column and --eval_filter_value go together")
+        if self.eval_max_samples is not None and self.eval_max_samples < 1:
+            raise AssayError(f"--eval_max_samples must be positive, got {self.eval_max_samples}")
+
+
+FREE_ON_RESUME = ("save_every", "wandb", "wandb_project")
+"""Finetune settings a run may resume under changed (besides --threads and --overwrite): where
+checkpoints are written and where metrics are mirrored, never what is computed."""
 
 
 @dataclass
@@ -104,12 +114,20 @@ class TrainData:
 
 
 def eval_data_config(cfg: FinetuneConfig) -> DataConfig | None:
+    """The held-out data (None: no eval loss). A single file is one split: by default (no
+    --eval_dataset) its own rows are never taken as held out; other rows of it
+    (--eval_filter_column) or a file named by --eval_dataset are read whole."""
     if not cfg.eval_split:
         return None
+    dataset, split = cfg.eval_dataset or cfg.data.dataset, cfg.eval_split
+    if is_single_file(dataset):
+        if cfg.eval_dataset is None and cfg.eval_filter_column is None:
+            return None  # the training rows themselves: not held out
+        split = "train" if split == "eval" else split  # the default asks for "the held-out data"
     return replace(
         cfg.data,
-        dataset=cfg.eval_dataset or cfg.data.dataset,
-        split=cfg.eval_split,
+        dataset=dataset,
+        split=split,
         max_samples=cfg.eval_max_samples,
         filter_column=cfg.eval_filter_column if cfg.eval_filter_column else cfg.data.filter_column,
         filter_value=cfg.eval_filter_value if cfg.eval_filter_column else cfg.data.filter_value,
@@ -124,6 +142,11 @@ def prepare_data(cfg: FinetuneConfig, tokenizer: Any) -> TrainData:
         train, keep_pool = pool.subset(pool.positions_of(ids)), pool
     eval_cfg = eval_data_config(cfg)
     evals = load_examples(eval_cfg, tokenizer)[1] if eval_cfg else None
+    if eval_cfg is None and cfg.eval_split:
+        note(
+            f"no held-out loss: {cfg.data.dataset} is a single file (one split); give held-out rows with "
+            "--eval_dataset FILE or --eval_filter_column/--eval_filter_value"
+        )
     if cfg.ordered:
         plan = replayed_plan(cfg.ordered, train.ids, cfg.recipe.num_epochs)
     else:
@@ -245,9 +268,11 @@ def final_losses(trainer: Trainer) -> dict[str, float | None]:
     cfg, data = trainer.cfg, trainer.data
     args = (trainer.policy, trainer.pad_id, cfg.token_batch_size)
     return {
-        "train_loss": mean_loss(trainer.model, data.train, *args),
+        "train_loss": mean_loss(trainer.model, data.train, *args, desc="train loss"),
         "eval_loss": trainer.eval_loss(),
-        "pool_loss": mean_loss(trainer.model, data.pool, *args) if data.pool is not None else None,
+        "pool_loss": mean_loss(trainer.model, data.pool, *args, desc="pool loss")
+        if data.pool is not None
+        else None,
     }
 
 
@@ -275,7 +300,7 @@ def finetune(cfg: FinetuneConfig) -> dict[str, Any]:
     dist = Distributed.current()
     if cfg.fsdp:
         fsdp.require_processes(dist)  # before OUT.part exists
-    with run_folder(cfg.out, "finetune", cfg, cfg.overwrite) as run:
+    with run_folder(cfg.out, "finetune", cfg, cfg.overwrite, free=FREE_ON_RESUME) as run:
         _, policy = setup_runtime(cfg.runtime)
         tokenizer = load_tokenizer(cfg.model)
         data = prepare_data(cfg, tokenizer)
@@ -284,6 +309,7 @@ def finetune(cfg: FinetuneConfig) -> dict[str, Any]:
         else:
             model = load_model(cfg.model, policy, cfg.runtime.attention)
             dist.broadcast_module_(model)  # identical start on every rank (as DDP)
+        check_inputs(run, input_fingerprints(data, model, tokenizer))  # before a checkpoint is loaded
         wandb_run = None
         if cfg.wandb and dist.is_main:
             wandb_run = start_wandb(cfg.wandb_project, Path(cfg.out).name, config_to_dict(cfg), run.path)
@@ -307,6 +333,18 @@ def finetune(cfg: FinetuneConfig) -> dict[str, Any]:
         shutil.rmtree(run.path / ckpt.CHECKPOINT_DIR, ignore_errors=True)
         result["log"].close()
     return summary
+
+
+def input_fingerprints(data: TrainData, model: Any, tokenizer: Any) -> dict[str, str]:
+    """What a resumed run must find unchanged: the examples it trains on, evaluates on and the pool
+    (tokens and ids) with its visit plan, the starting weights, the tokenizer."""
+    plan = hashlib.sha256(np.concatenate([np.asarray(p, np.int64) for p in data.plan]).tobytes())
+    dataset = examples_fingerprint(data.train, data.eval, data.pool) + plan.hexdigest()[:16]
+    return {
+        "dataset": dataset,
+        "model": model_fingerprint(model),
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+    }
 
 
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
