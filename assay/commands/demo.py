@@ -22,8 +22,9 @@ from assay.attribution.build import BuildConfig, build_index
 from assay.commands.eval import run as run_eval
 from assay.commands.sae_train import ensure_feature_browser
 from assay.commands.score import latent_demo, score_demo
-from assay.core.config import DataConfig, ModelConfig, RuntimeConfig
+from assay.core.config import DataConfig, ModelConfig, ModelSource, PrecisionName, RuntimeConfig
 from assay.core.console import note, say
+from assay.core.errors import AssayError
 from assay.core.runs import DONE_FILE, read_json, run_folder, write_json
 from assay.report.command import build_report
 from assay.sae.train import demo_sae
@@ -38,7 +39,7 @@ class DemoConfig:
     """Output folder for every stage's results and report.html."""
     model: str = "assay-tiny"
     """Model to study (an alias, a local folder or a hub id)."""
-    precision: str = "auto"
+    precision: PrecisionName = "auto"
     """Precision policy for every stage (see `assay build --help`)."""
     train_tunes: int = 1500
     """Training tunes in the gradient index: a seeded sample over every collection (of ~12k;
@@ -51,6 +52,13 @@ class DemoConfig:
     """Tokens of general text the sparse autoencoder trains on."""
     overwrite: bool = False
     """Replace a finished demo in OUT."""
+
+    def __post_init__(self) -> None:
+        counts = {"--train_tunes": self.train_tunes, "--eval_samples": self.eval_samples}
+        counts |= {"--queries": self.queries, "--sae_tokens": self.sae_tokens}
+        for flag, value in counts.items():
+            if value < 1:
+                raise AssayError(f"{flag} must be positive, got {value}")
 
 
 def _stage(folder: Path, title: str, work: Callable[[str], Any]) -> float:
@@ -70,9 +78,9 @@ def _losses(cfg: DemoConfig, root: Path) -> dict[str, float]:
         folder = root / f"loss-{dataset}"
         stage = EvalConfig(
             out=str(folder),
-            model=ModelConfig(model=cfg.model),
+            model=ModelSource(model=cfg.model),
             data=DataConfig(dataset=dataset, split="eval", max_samples=cfg.eval_samples),
-            runtime=RuntimeConfig(precision=cfg.precision),  # type: ignore[arg-type]
+            runtime=RuntimeConfig(precision=cfg.precision),
         )
         _stage(folder, f"loss of {cfg.model} on held-out {dataset}", partial(_evaluate, stage))
         losses[dataset] = read_json(folder / "summary.json")["mean_loss"]
@@ -88,7 +96,7 @@ def _index(cfg: DemoConfig, folder: Path) -> float:
         out=str(folder),
         model=ModelConfig(model=cfg.model),
         data=DataConfig(dataset="abc-tunes", max_samples=cfg.train_tunes, sample_seed=0, max_length=256),
-        runtime=RuntimeConfig(precision=cfg.precision),  # type: ignore[arg-type]
+        runtime=RuntimeConfig(precision=cfg.precision),
         normalizer="adafactor",
         normalizer_samples=500,
         preconditioner="trackstar",

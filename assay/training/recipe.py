@@ -7,6 +7,7 @@ can never drift apart.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,12 +57,14 @@ class TrainRecipe:
                 f"--effective_batch_size {self.effective_batch_size} must be a multiple of "
                 f"--micro_batch_size {self.micro_batch_size}"
             )
-        if self.num_epochs < 1 or not self.learning_rate > 0:
-            raise AssayError("--num_epochs must be >= 1 and --learning_rate > 0")
+        if self.num_epochs < 1 or not 0 < self.learning_rate < math.inf:
+            raise AssayError("--num_epochs must be >= 1 and --learning_rate a finite number > 0")
         if self.max_steps < 0 or self.warmup_steps < 0 or not 0.0 <= self.warmup_ratio <= 1.0:
             raise AssayError("--max_steps and --warmup_steps must be >= 0 and --warmup_ratio in [0, 1]")
-        if self.weight_decay < 0 or self.max_grad_norm < 0 or self.adam_eps <= 0:
-            raise AssayError("--weight_decay and --max_grad_norm must be >= 0 and --adam_eps > 0")
+        if not (0 <= self.weight_decay < math.inf and 0 <= self.max_grad_norm < math.inf):
+            raise AssayError("--weight_decay and --max_grad_norm must be finite numbers >= 0")
+        if not 0 < self.adam_eps < math.inf:
+            raise AssayError(f"--adam_eps must be a finite number > 0, got {self.adam_eps}")
         if not all(0.0 <= b < 1.0 for b in self.adam_betas):
             raise AssayError(f"--adam_betas must lie in [0, 1), got {self.adam_betas}")
 

@@ -96,18 +96,23 @@ def optimizer_update(
 
 
 def mean_loss(
-    model: torch.nn.Module, examples: Examples, policy: PrecisionPolicy, pad_id: int, tbs: int
+    model: torch.nn.Module,
+    examples: Examples,
+    policy: PrecisionPolicy,
+    pad_id: int,
+    tbs: int,
+    desc: str = "eval loss",
 ) -> float:
-    """Token-weighted mean loss (nats/token), with the model in eval mode."""
+    """Token-weighted mean loss (nats/token), with the model in eval mode (`desc` labels the bar)."""
     model.eval()
     dist = Distributed.current()
     # Each rank evaluates its share and the loss sums are added up (fp64); with --fsdp every
     # forward is a collective, so every rank evaluates every example (in the same batches).
     if dist.active and not fsdp.is_sharded(model):
         mine = examples.subset(dist.interleave_array(np.arange(len(examples))))
-        part = float(evaluate_losses(model, mine, policy, pad_id, tbs, desc="eval").sum()) if len(mine) else 0
+        part = float(evaluate_losses(model, mine, policy, pad_id, tbs, desc=desc).sum()) if len(mine) else 0
         model.train()
         return dist.sum_scalars(part)[0] / max(int(examples.num_loss_tokens().sum()), 1)
-    losses = evaluate_losses(model, examples, policy, pad_id, tbs, desc="eval")
+    losses = evaluate_losses(model, examples, policy, pad_id, tbs, desc=desc)
     model.train()
     return float(losses.sum() / max(int(examples.num_loss_tokens().sum()), 1))
