@@ -87,6 +87,29 @@ def _grads_after_step(model, examples, positions, micro, policy, pad_id):
     return {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+def test_weighted_examples_train_as_replicated_ones(tiny_model_dir, data_jsonl):
+    """A weight of k on an example gives exactly the step of that example k times in the batch."""
+    policy = PrecisionPolicy.resolve("fp32")
+    mcfg = ModelConfig(model=str(tiny_model_dir))
+    tok = load_tokenizer(mcfg)
+    _, examples = load_examples(DataConfig(dataset=str(data_jsonl), max_length=64), tok)
+    model = load_model(mcfg, policy, attention="eager").train()
+    w = np.ones(len(examples))
+    w[[1, 4]] = (3.0, 2.0)
+    weighted = _weighted_grads(model, examples, np.array([0, 1, 2, 4]), policy, tok.pad_token_id, w)
+    replicated = _grads_after_step(
+        model, examples, np.array([0, 1, 1, 1, 2, 4, 4]), 8, policy, tok.pad_token_id
+    )
+    for name in weighted:
+        torch.testing.assert_close(weighted[name], replicated[name], rtol=1e-5, atol=1e-7)
+
+
+def _weighted_grads(model, examples, positions, policy, pad_id, w):
+    model.zero_grad(set_to_none=True)
+    train_step(model, examples, positions, 8, policy, pad_id, None, w)
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
 def test_gradient_accumulation_matches_one_big_batch(tiny_model_dir, data_jsonl):
     policy = PrecisionPolicy.resolve("fp32")
     mcfg = ModelConfig(model=str(tiny_model_dir))

@@ -26,7 +26,7 @@ from assay.counterfactual.replay import AdamWSettings, Replay, TrainingRun, fine
 from assay.lm.data import Examples
 from assay.lm.models import load_model, load_tokenizer, setup_runtime
 from assay.training.finetune import FinetuneConfig, prepare_data
-from assay.training.subset import ORDER_FILE, replayed_plan
+from assay.training.subset import ORDER_FILE, read_weights, replayed_plan
 
 REPLAY_TOLERANCE = 1e-5
 """Largest relative difference between replayed and saved final weights that is accepted (the
@@ -58,6 +58,11 @@ def _finetune_config(run_dir: Path) -> FinetuneConfig:
     if not (run_dir / ORDER_FILE).exists():
         raise AssayError(f"--finetune {run_dir} has no {ORDER_FILE}: its visit order is needed to replay it")
     cfg = config_from_dict(FinetuneConfig, saved["config"])
+    if cfg.selection and cfg.selection_weights and read_weights(cfg.selection) is not None:
+        raise AssayError(
+            f"--finetune {run_dir} trained with per-example selection weights, which the replay does not "
+            "model yet; replay a run made with --no_selection_weights"
+        )
     if cfg.fsdp:
         raise AssayError(
             "--finetune: a run trained with --fsdp cannot be replayed yet; replay a 1-process run"

@@ -290,15 +290,6 @@ def select(cfg: FilterConfig) -> dict[str, Any]:
     return summary
 
 
-def read_weights(folder: str | Path) -> dict[int, float] | None:
-    """{id: weight} of a finished `assay filter` run whose strategy weighs its picks (else None)."""
-    path = Path(folder) / "selection.jsonl"
-    records = [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
-    if not records or "weight" not in records[0]:
-        return None
-    return {int(r["id"]): float(r["weight"]) for r in records}
-
-
 def read_selection(folder: str | Path) -> np.ndarray:
     """The selected ids of a finished `assay filter` run, in rank order."""
     path = Path(folder) / "selection.jsonl"

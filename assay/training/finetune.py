@@ -36,7 +36,7 @@ from assay.training import checkpoint as ckpt
 from assay.training.metrics import MetricsLog, start_wandb
 from assay.training.recipe import TrainRecipe
 from assay.training.step import make_scaler, mean_loss, optimizer_update, train_step
-from assay.training.subset import ORDER_FILE, read_ids, replayed_plan, shuffled_plan, write_plan
+from assay.training.subset import ORDER_FILE, read_ids, read_weights, replayed_plan, shuffled_plan, write_plan
 
 
 @dataclass
@@ -51,6 +51,10 @@ class FinetuneConfig:
     selection: str | None = None
     """Train only on these example ids: an `assay filter` output folder or a .txt/.json/.jsonl/.npy file.
     (Named --selection because --subset is the hub dataset configuration.)"""
+    selection_weights: bool = True
+    """Train with the per-example weights the --selection carries (facility location's CRAIG
+    weights: each chosen example stands for that many pool examples; a weight of 2 trains as the
+    example twice). False: every selected example counts once."""
     ordered: str | None = None
     """A finished full-data `assay finetune` run: replay its visit order, skipping unselected examples."""
     recipe: tyro.conf.OmitArgPrefixes[TrainRecipe] = field(default_factory=TrainRecipe)
@@ -111,6 +115,7 @@ class TrainData:
     pool: Examples | None  # the whole dataset, when training on a subset
     eval: Examples | None
     plan: list[np.ndarray]  # example ids per epoch, in visit order
+    weights: np.ndarray | None = None  # [len(train)] per-example loss weights (CRAIG's), or None
 
 
 def eval_data_config(cfg: FinetuneConfig) -> DataConfig | None:
@@ -151,7 +156,11 @@ def prepare_data(cfg: FinetuneConfig, tokenizer: Any) -> TrainData:
         plan = replayed_plan(cfg.ordered, train.ids, cfg.recipe.num_epochs)
     else:
         plan = shuffled_plan(train.ids, cfg.recipe.num_epochs, cfg.runtime.seed)
-    return TrainData(train, keep_pool if cfg.pool_loss else None, evals, plan)
+    weights = None
+    if cfg.selection and cfg.selection_weights:
+        by_id = read_weights(cfg.selection)
+        weights = None if by_id is None else np.array([by_id[int(i)] for i in train.ids], dtype=np.float64)
+    return TrainData(train, keep_pool if cfg.pool_loss else None, evals, plan, weights)
 
 
 def _after_step(step: int) -> None:
@@ -222,6 +231,7 @@ class Trainer:
                     self.policy,
                     self.pad_id,
                     self.scaler,
+                    self.data.weights,
                 )
                 lr = self.lrs[step]
                 norm = optimizer_update(self.model, self.optimizer, self.scaler, cfg.recipe.max_grad_norm, lr)
@@ -324,6 +334,7 @@ def finetune(cfg: FinetuneConfig) -> dict[str, Any]:
             **losses,
             "steps": result["steps"],
             "examples": len(data.train),
+            "weighted": data.weights is not None,
             "trainable_parameters": trained[0],
             "precision": policy.name,
             "train_s": result["train_s"],

@@ -36,14 +36,18 @@ def train_step(
     policy: PrecisionPolicy,
     pad_id: int,
     scaler: Any,
-) -> tuple[float, int, int]:
+    weights: np.ndarray | None = None,
+) -> tuple[float, float, int]:
     """Accumulate the effective batch's gradient; returns (summed loss, loss tokens, real tokens).
 
     Each micro-batch's summed token loss is divided by the whole batch's loss-token count,
-    so the accumulated gradient is the token-mean gradient of the effective batch.
+    so the accumulated gradient is the token-mean gradient of the effective batch. With
+    `weights` [len(examples)] (e.g. CRAIG's), example i's loss and tokens count w_i times: a
+    weight of 2 trains exactly as the example twice in the batch.
     """
     positions = positions[np.argsort(-examples.lengths[positions], kind="stable")]  # less padding
-    loss_tokens = int(examples.num_loss_tokens()[positions].sum())  # of the whole effective batch
+    counts = examples.num_loss_tokens()[positions].astype(np.float64)
+    loss_tokens = float((counts if weights is None else counts * weights[positions]).sum())  # whole batch
     # Data-parallel: each rank takes every world-th example (balanced lengths), so accumulation
     # steps per rank = effective / (micro x world); summing the ranks' gradients gives exactly
     # the one-process gradient (each micro-batch already divides by the global token count).
@@ -56,6 +60,8 @@ def train_step(
         with policy.autocast():
             losses = example_losses(model, batch)  # [b] fp32 summed token losses
         with full_precision(policy.device):
+            if weights is not None and len(chunk):  # per-example weights, fp32
+                losses = losses * torch.as_tensor(weights[chunk], dtype=losses.dtype, device=losses.device)
             loss = losses.sum() * weight / max(loss_tokens, 1)
         (scaler.scale(loss) if scaler is not None else loss).backward()
         total += float(losses.detach().sum()) * weight

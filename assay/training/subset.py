@@ -48,6 +48,24 @@ def read_ids(path: str | Path) -> np.ndarray:
     return ids
 
 
+def read_weights(path: str | Path) -> dict[int, float] | None:
+    """{id: weight} of a selection whose examples carry weights (an `assay filter` folder or its
+    selection.jsonl, with a "weight" per record), else None (every example counts once)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "selection.jsonl"
+    if path.suffix != ".jsonl" or not path.exists():
+        return None
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not records or "weight" not in records[0]:
+        return None
+    weights = {int(r["id"]): float(r["weight"]) for r in records}
+    bad = [i for i, w in weights.items() if not (w > 0 and np.isfinite(w))]
+    if bad:
+        raise AssayError(f"{path}: example {bad[0]} has weight {weights[bad[0]]}; weights must be positive")
+    return weights
+
+
 def shuffled_plan(ids: np.ndarray, num_epochs: int, seed: int) -> list[np.ndarray]:
     """A fresh permutation of `ids` per epoch, from (seed, epoch) only."""
     return [ids[np.random.default_rng([seed, epoch]).permutation(len(ids))] for epoch in range(num_epochs)]

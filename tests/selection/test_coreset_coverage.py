@@ -17,9 +17,10 @@ import pytest
 
 from assay.attribution.build import BuildConfig, build_index
 from assay.core.config import DataConfig, ModelConfig, RuntimeConfig
-from assay.selection.filter import FilterConfig, read_selection, read_weights, select
+from assay.selection.filter import FilterConfig, read_selection, select
 from assay.training.finetune import FinetuneConfig, finetune
 from assay.training.recipe import TrainRecipe
+from assay.training.subset import read_weights
 from tests.test_coreset import prose, tune
 
 MARGIN = 0.05  # nats/token facility must beat the typicality ranking by on the mixed eval set
@@ -68,7 +69,9 @@ def _retrain(pool, selection: Path, name: str) -> float:
         selection=str(selection), eval_dataset=str(root / "eval.jsonl"), eval_split="train", save_every=0,
         pool_loss=False,
     )  # fmt: skip
-    return float(finetune(cfg)["eval_loss"])
+    summary = finetune(cfg)
+    assert summary["weighted"] == (read_weights(selection) is not None)  # CRAIG's weights are trained with
+    return float(summary["eval_loss"])
 
 
 def test_coverage_keeps_every_kind_and_retrains_better_than_typicality(pool):
