@@ -25,9 +25,11 @@ from assay.commands.score import latent_demo, score_demo
 from assay.core.config import DataConfig, ModelConfig, ModelSource, PrecisionName, RuntimeConfig
 from assay.core.console import note, say
 from assay.core.errors import AssayError
+from assay.core.precision import PrecisionPolicy
 from assay.core.runs import DONE_FILE, read_json, run_folder, write_json
 from assay.report.command import build_report
-from assay.sae.train import demo_sae
+from assay.sae.config import SaeTrainConfig
+from assay.sae.train import train_sae
 from assay.training.evaluate import EvalConfig
 
 
@@ -142,6 +144,36 @@ def _print_summary(cfg: DemoConfig, losses: dict[str, float], report: Path) -> N
     for name, value in losses.items():
         say(f"  {name:<12} {value:.3f}")
     say(f"\nreport: {Path(cfg.out) / report.name}  (open it in a browser)")
+
+
+def demo_sae(
+    out: str,
+    model: str = "assay-tiny",
+    precision: str = "auto",
+    training_tokens: int = 81_920,
+    overwrite: bool = False,
+) -> dict[str, Any]:
+    """The README's main-job step: a small TopK SAE on assay-tiny over the bundled general text.
+
+    16x expansion at block 2's output, k=32, 80 steps of 1,024 tokens, splice metrics on 8
+    held-out contexts; prints and returns the summary. `precision="auto"` picks bf16 autocast
+    where the CPU has AMX/AVX512-BF16. Adam, not the TopK default signum: at 1,024-token batches
+    its FVU measured better (held-out 0.0438 vs 0.0446 here; docs/sae.md).
+    """
+    resolved = PrecisionPolicy.resolve(precision).name
+    cfg = SaeTrainConfig(
+        out=out,
+        model=ModelConfig(model=model),
+        data=DataConfig("shakespeare"),
+        runtime=RuntimeConfig(precision="bf16" if resolved.startswith("bf16") else "fp32"),
+        training_tokens=training_tokens,
+        batch_tokens=1024,
+        optimizer="adam",
+        lr_warmup_steps=5,
+        eval_contexts=8,
+        overwrite=overwrite,
+    )
+    return train_sae(cfg)
 
 
 Config = DemoConfig

@@ -18,7 +18,7 @@ from assay.core.errors import AssayError
 from assay.core.runs import DONE_FILE, config_from_dict, config_to_dict, load_run_config, read_json
 from assay.sae.config import SaeTrainConfig
 from assay.sae.features import FEATURES_FILE, browse_sae_run
-from assay.sae.train import run_sae_train
+from assay.sae.train import train_sae
 
 
 @dataclass
@@ -87,13 +87,42 @@ def _browser_pending(cfg: SaeTrainCommandConfig) -> bool:
     return saved == wanted
 
 
+def format_summary(summary: dict[str, Any]) -> str:
+    """A few readable lines: training figures, then the held-out splice metrics (per SAE)."""
+    if "saes" in summary:
+        blocks = [f"{name}:\n{format_summary(s)}" for name, s in summary["saes"].items()]
+        return "\n".join(
+            [*blocks, f"{len(blocks)} SAEs from one pass at {summary['tokens_per_s']:,.0f} tokens/s"]
+        )
+    nan = float("nan")
+    where = summary["hookpoint"]
+    if "hookpoint_out" in summary:
+        where = f"{where} -> {summary['hookpoint_out']} (transcoder)"
+    lines = [
+        f"SAE {summary['architecture']} {summary['d_in']}x{summary['d_sae']} at {where} "
+        f"({summary['precision']}): {summary['tokens']:,} tokens at {summary['tokens_per_s']:,.0f} tokens/s",
+        f"  train (last batch)     FVU {summary.get('fvu', nan):.4f}  L0 {summary.get('l0', nan):.1f}"
+        f"  dead {summary.get('dead_fraction', nan):.1%}",
+    ]
+    if "eval/ce_clean" in summary:
+        lines.append(
+            f"  held-out               FVU {summary['eval/fvu']:.4f}  L0 {summary['eval/l0']:.1f}  "
+            f"CE clean {summary['eval/ce_clean']:.3f}  spliced {summary['eval/ce_spliced']:.3f}  "
+            f"zero {summary['eval/ce_zero']:.3f}  score {summary['eval/ce_loss_score']:.3f}  "
+            f"KL {summary['eval/kl']:.4f}"
+        )
+    return "\n".join(lines)
+
+
 def run(cfg: SaeTrainCommandConfig) -> dict[str, Any]:
-    """Train (the library's `run_sae_train`: writes OUT and prints the summary), then the browser."""
+    """Train (the library's `train_sae` writes OUT), print the summary, then write the browser."""
     if _browser_pending(cfg):
         note(f"{cfg.out} holds this finished run without its feature browser: writing the browser only")
         summary: dict[str, Any] = read_json(Path(cfg.out) / "summary.json")
     else:
-        summary = run_sae_train(cfg)
+        summary = train_sae(cfg)
+        say(format_summary(summary))
+        say(f"saved to {cfg.out} (SAELens format: cfg.json + sae_weights.safetensors; metrics.jsonl)")
     write_feature_browser(cfg, cfg.browser_latents, cfg.browser_examples)
     return summary
 

@@ -19,7 +19,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from assay.core.console import say
 from assay.core.errors import AssayError
 from assay.core.precision import full_precision
 from assay.core.runs import write_json
@@ -132,23 +131,15 @@ def splice_metrics(
     return {**out, **stats.result()}
 
 
-def format_metrics(metrics: dict[str, float]) -> str:
-    """The metrics as aligned `name  value` lines, in a fixed order."""
-    keys = [k for k in METRIC_ORDER if k in metrics] + [k for k in metrics if k not in METRIC_ORDER]
-    return "\n".join(f"  {k:<22} {metrics[k]:.4f}" for k in keys if isinstance(metrics[k], (int, float)))
-
-
-def run_sae_eval(cfg: SaeEvalConfig) -> dict[str, float]:
-    """`assay sae eval`: load an SAE folder, splice it into the model (or score it against a
-    ground-truth file), print and save metrics."""
+def evaluate_sae(cfg: SaeEvalConfig) -> dict[str, Any]:
+    """Load an SAE folder, splice it into the model (or score it against a ground-truth file),
+    save the metrics (eval.json) and return them with what was measured (`"about"`)."""
     sae, meta = load_sae(cfg.sae_dir)
     if cfg.ground_truth:
         metrics = ground_truth_metrics(sae, load_ground_truth(cfg.ground_truth))
         out = Path(cfg.out) if cfg.out else Path(cfg.sae_dir) / "eval.json"
         write_json(out, {"sae": str(cfg.sae_dir), "ground_truth": cfg.ground_truth, **metrics})
-        say(f"SAE {cfg.sae_dir} against the features of {cfg.ground_truth}:")
-        say(format_metrics(metrics))
-        return metrics
+        return {"about": f"SAE {cfg.sae_dir} against the features of {cfg.ground_truth}", **metrics}
     hookpoint = cfg.hookpoint or meta.get("hook_name")
     if not hookpoint:
         raise AssayError(f"{cfg.sae_dir}/cfg.json names no hook; pass --hookpoint MODULE_NAME")
@@ -172,8 +163,7 @@ def run_sae_eval(cfg: SaeEvalConfig) -> dict[str, float]:
     metrics.update(eval_tokens=int(contexts.size), context_length=context_length)
     out = Path(cfg.out) if cfg.out else Path(cfg.sae_dir) / "eval.json"
     write_json(out, {"sae": str(cfg.sae_dir), "model": cfg.model.model, "hookpoint": hookpoint, **metrics})
-    say(
-        f"SAE {cfg.sae_dir} at {hookpoint} on {cfg.data.dataset}:{cfg.data.split} ({contexts.size:,} tokens):"
+    about = (
+        f"SAE {cfg.sae_dir} at {hookpoint} on {cfg.data.dataset}:{cfg.data.split} ({contexts.size:,} tokens)"
     )
-    say(format_metrics(metrics))
-    return metrics
+    return {"about": about, **metrics}

@@ -14,8 +14,6 @@ from typing import Any
 
 import torch
 
-from assay.core.config import DataConfig, ModelConfig, RuntimeConfig
-from assay.core.console import say
 from assay.core.distributed import Distributed
 from assay.core.errors import AssayError
 from assay.core.precision import PrecisionPolicy
@@ -205,68 +203,3 @@ def _summary(
         **{k: train[k] for k in ("fvu", "explained_variance", "l0", "dead_fraction", "mse") if k in train},
         **result["eval"],
     }
-
-
-def format_summary(summary: dict[str, Any]) -> str:
-    """A few readable lines: training figures, then the held-out splice metrics (per SAE)."""
-    if "saes" in summary:
-        blocks = [f"{name}:\n{format_summary(s)}" for name, s in summary["saes"].items()]
-        return "\n".join(
-            [*blocks, f"{len(blocks)} SAEs from one pass at {summary['tokens_per_s']:,.0f} tokens/s"]
-        )
-    nan = float("nan")
-    where = summary["hookpoint"]
-    if "hookpoint_out" in summary:
-        where = f"{where} -> {summary['hookpoint_out']} (transcoder)"
-    lines = [
-        f"SAE {summary['architecture']} {summary['d_in']}x{summary['d_sae']} at {where} "
-        f"({summary['precision']}): {summary['tokens']:,} tokens at {summary['tokens_per_s']:,.0f} tokens/s",
-        f"  train (last batch)     FVU {summary.get('fvu', nan):.4f}  L0 {summary.get('l0', nan):.1f}"
-        f"  dead {summary.get('dead_fraction', nan):.1%}",
-    ]
-    if "eval/ce_clean" in summary:
-        lines.append(
-            f"  held-out               FVU {summary['eval/fvu']:.4f}  L0 {summary['eval/l0']:.1f}  "
-            f"CE clean {summary['eval/ce_clean']:.3f}  spliced {summary['eval/ce_spliced']:.3f}  "
-            f"zero {summary['eval/ce_zero']:.3f}  score {summary['eval/ce_loss_score']:.3f}  "
-            f"KL {summary['eval/kl']:.4f}"
-        )
-    return "\n".join(lines)
-
-
-def run_sae_train(cfg: SaeTrainConfig) -> dict[str, Any]:
-    """`assay sae train`: train (the library's `train_sae`), then print the summary."""
-    summary = train_sae(cfg)
-    say(format_summary(summary))
-    say(f"saved to {cfg.out} (SAELens format: cfg.json + sae_weights.safetensors); metrics in metrics.jsonl")
-    return summary
-
-
-def demo_sae(
-    out: str,
-    model: str = "assay-tiny",
-    precision: str = "auto",
-    training_tokens: int = 81_920,
-    overwrite: bool = False,
-) -> dict[str, Any]:
-    """The README's main-job step: a small TopK SAE on assay-tiny over the bundled general text.
-
-    16x expansion at block 2's output, k=32, 80 steps of 1,024 tokens, splice metrics on 8
-    held-out contexts; prints and returns the summary. `precision="auto"` picks bf16 autocast
-    where the CPU has AMX/AVX512-BF16. Adam, not the TopK default signum: at 1,024-token batches
-    its FVU measured better (held-out 0.0438 vs 0.0446 here; docs/sae.md).
-    """
-    resolved = PrecisionPolicy.resolve(precision).name
-    cfg = SaeTrainConfig(
-        out=out,
-        model=ModelConfig(model=model),
-        data=DataConfig("shakespeare"),
-        runtime=RuntimeConfig(precision="bf16" if resolved.startswith("bf16") else "fp32"),
-        training_tokens=training_tokens,
-        batch_tokens=1024,
-        optimizer="adam",
-        lr_warmup_steps=5,
-        eval_contexts=8,
-        overwrite=overwrite,
-    )
-    return run_sae_train(cfg)
