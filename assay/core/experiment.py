@@ -33,16 +33,18 @@ STAGES_FILE = "stages.json"
 
 
 def open_experiment(
-    out: str | Path, command: str, cfg: Any, overwrite: bool, free: Iterable[str] = ()
+    out: str | Path, command: str, cfg: Any, overwrite: bool, free: Iterable[str] = (), extend: bool = False
 ) -> Path:
     """Create or resume the experiment folder OUT (rank 0 only). Settings named in `free` (and
-    --overwrite) may change between a run and its resumption; any other change is refused."""
+    --overwrite) may change between a run and its resumption; any other change is refused. With
+    `extend`, a finished experiment may be continued with other free settings (e.g. more methods
+    validated against a ground truth made once) instead of being refused."""
     root = Path(out).resolve()
     folder = RunFolder(root, command, cfg, overwrite)
     if root.exists() and not (root / CONFIG_FILE).exists() and not (root / DONE_FILE).exists():
         raise AssayError(f"{root} exists and is not an assay {command} experiment; choose another folder")
     _lock_experiment(root)  # before anything is removed or written: one process per experiment
-    if (root / DONE_FILE).exists():
+    if (root / DONE_FILE).exists() and not (extend and not overwrite):
         if not overwrite:
             raise AssayError(f"{root} holds a finished experiment; pass --overwrite to redo it from scratch")
         for entry in root.iterdir():  # all but the lock this process holds

@@ -28,8 +28,8 @@ from assay.core.config import DataConfig, ModelConfig, QueryConfig, RuntimeConfi
 from assay.core.console import note
 from assay.core.distributed import Distributed
 from assay.core.errors import AssayError
-from assay.core.experiment import Stages, finish_experiment, open_experiment
-from assay.core.runs import DONE_FILE, read_json, write_json
+from assay.core.experiment import Stages, finish_experiment, first_difference, open_experiment
+from assay.core.runs import CONFIG_FILE, DONE_FILE, config_from_dict, config_to_dict, read_json, write_json
 from assay.counterfactual.ground_truth import (
     GroundTruth,
     RetrainSetup,
@@ -68,8 +68,9 @@ class ValidateConfig:
     queries: tyro.conf.OmitArgPrefixes[QueryConfig] = field(default_factory=QueryConfig)
     preset: Literal["none", "abc"] = "none"
     """abc: assay-tiny fine-tuned in fp32 on a pool of ABC tunes (every collection), held-out
-    tunes as queries, every method at bf16 and fp32 (overrides --model, --dataset, --query*,
-    --precision, the recipe and --methods; docs/attribution.md has its table)."""
+    tunes as queries, every gradient method at bf16 and fp32 (overrides --model, --dataset,
+    --query*, --precision and the recipe; --methods replay then adds the metagradients, about
+    2.3 training runs per query; docs/validation.md has its table)."""
     pool_size: int = 300
     """Training tunes in the abc preset's pool."""
     query_size: int = 24
@@ -134,7 +135,7 @@ def resolve(cfg: ValidateConfig, root: Path) -> ValidateConfig:
         cfg.data, dataset=files["pool"], split="train", max_length=256, filter_column=None, filter_value=None
     )
     queries = QueryConfig(query_dataset=files["query"], query_split="train")
-    methods = cfg.methods or tuple(METHODS)
+    methods = cfg.methods or tuple(m for m in METHODS if m != "replay")  # replay: opt in (its cost)
     precisions = cfg.index_precisions if cfg.index_precisions != ("fp32",) else ("bf16", "fp32")
     runtime = replace(cfg.runtime, precision="fp32")  # the reference run: replayed exactly, in fp32
     return replace(cfg, model=ModelConfig(model="assay-tiny"), data=data, queries=queries, recipe=ABC_RECIPE,
@@ -215,31 +216,41 @@ def compute_methods(cfg: ValidateConfig, root: Path, truth: GroundTruth) -> list
 
 
 def validate(cfg: ValidateConfig) -> dict[str, Any]:
-    """Ground truth (made once), the methods' scores, and the LDS of each and of every --scores."""
+    """Ground truth (made once), the methods' scores, and the LDS of each and of every --scores.
+
+    A finished experiment is extended, never redone: more --methods or --scores are validated
+    against its ground truth. Given only such free settings (`assay validate OUT --scores RUN`),
+    the experiment's own settings are used."""
     dist = Distributed.current()
-    root = Path(cfg.out).resolve()
-    if (root / DONE_FILE).exists() and not cfg.overwrite and cfg.scores:
-        return dist.main_only(_score_only, cfg, root)
+    cfg = dist.main_only(_with_saved_settings, cfg)
     if cfg.preset == "none" and not cfg.queries.given:
         raise AssayError("give the queries: --query_dataset DATASET (or --preset abc)")
-    root = dist.main_only(open_experiment, cfg.out, "validate", cfg, cfg.overwrite, FREE)
+    root = dist.main_only(open_experiment, cfg.out, "validate", cfg, cfg.overwrite, FREE, True)
     cfg = dist.main_only(resolve, cfg, root)
     truth = ground_truth(cfg, root)
     methods = dist.main_only(_alone, compute_methods, cfg, root, truth)  # small: rank 0 alone
-    result = dist.main_only(evaluate_all, root, truth, [*methods, *map(Path, cfg.scores)], cfg.bootstrap)
+    earlier = sorted((root / "methods").glob("*.npy")) if (root / "methods").exists() else []
+    sources = list(dict.fromkeys([*earlier, *methods, *map(Path, cfg.scores)]))
+    result = dist.main_only(evaluate_all, root, truth, sources, cfg.bootstrap)
     if dist.is_main:
         finish_experiment(root)
     return result
 
 
+def _with_saved_settings(cfg: ValidateConfig) -> ValidateConfig:
+    """cfg, or (when cfg names an existing experiment and sets nothing but free settings) the
+    experiment's saved settings with cfg's free ones."""
+    path = Path(cfg.out) / CONFIG_FILE
+    if not path.exists():
+        return cfg
+    given, default = config_to_dict(cfg), config_to_dict(ValidateConfig(out=cfg.out))
+    if first_difference(default, given, {*FREE, "overwrite", "out"}) is not None:
+        return cfg  # the user gave the experiment's settings: open_experiment compares them
+    saved = config_from_dict(ValidateConfig, read_json(path)["config"])
+    note(f"validating with the settings of {cfg.out} (its config.json)")
+    return replace(saved, **{k: getattr(cfg, k) for k in (*FREE, "overwrite") if hasattr(cfg, k)})
+
+
 def _alone(fn: Any, *args: Any) -> Any:
     with Distributed.alone():
         return fn(*args)
-
-
-def _score_only(cfg: ValidateConfig, root: Path) -> dict[str, Any]:
-    """A finished experiment: validate more score runs against its ground truth."""
-    note(f"validating against the ground truth in {root} (made with the settings in {root}/config.json)")
-    truth = GroundTruth.load(root / GROUND_TRUTH)
-    methods = sorted((root / "methods").glob("*.npy")) if (root / "methods").exists() else []
-    return evaluate_all(root, truth, [*methods, *map(Path, cfg.scores)], cfg.bootstrap)
