@@ -41,6 +41,7 @@ from assay.bridge.latent import (
 )
 from assay.core.config import DataConfig, QueryConfig
 from assay.core.console import note, say
+from assay.core.disk import open_memmap_reserved
 from assay.core.distributed import Distributed
 from assay.core.errors import AssayError
 from assay.core.runs import (
@@ -100,6 +101,9 @@ class ScoreConfig:
     query_batch_size: int = 4
     """--finetune: queries differentiated together in one reverse pass (each adds about three
     copies of the trainable parameters to the memory)."""
+    trust_remote_code: bool = False
+    """Run code shipped with the index's (or --finetune run's) model. Only this flag turns it on:
+    a folder's saved settings never do."""
     checkpoint_every: int = 1
     """--finetune: keep the training state every k steps during the replay (1: no recomputation on
     the way back, the most memory; larger k trades memory for recomputing k - 1 steps per segment)."""
@@ -133,7 +137,7 @@ def objective_of(cfg: ScoreConfig, setup: GradientSetup) -> Objective | None:
 
 def prepare_queries(cfg: ScoreConfig, index: GradientIndex) -> tuple[GradientSetup, Queries, torch.Tensor]:
     """(setup, queries, [Q, D] fp32 gradients) computed exactly as the index's rows were."""
-    setup = setup_from_index(index, cfg.device)
+    setup = setup_from_index(index, cfg.device, cfg.trust_remote_code)
     check_compatible(index, setup)
     keep_compute_casts(setup.model, setup.policy)  # from here on the model only collects gradients
     queries = load_queries(cfg.queries, int(index.meta["data"]["max_length"]), setup.tokenizer)
@@ -162,16 +166,14 @@ def run_score(cfg: ScoreConfig) -> dict[str, Any]:
     index = open_index(cfg.index)
     setup, queries, grads = prepare_queries(cfg, index)  # user errors surface before OUT.part exists
     if not Distributed.current().is_main:  # rank 0 streams the index and writes OUT
-        with run_folder(cfg.out, "score", cfg, cfg.overwrite):
+        with run_folder(cfg.out, "score", cfg, cfg.overwrite, resumable=False):
             return {}
     options = cfg.options
-    with run_folder(cfg.out, "score", cfg, cfg.overwrite) as run:
+    with run_folder(cfg.out, "score", cfg, cfg.overwrite, resumable=False) as run:
         columns = len(queries.ids) if options.aggregate == "none" else 1
         scores_out = None
         if cfg.save_scores:
-            scores_out = np.lib.format.open_memmap(
-                run.path / "scores.npy", mode="w+", dtype=np.float32, shape=(columns, len(index))
-            )
+            scores_out = open_memmap_reserved(run.path / "scores.npy", np.float32, (columns, len(index)))
         start = time.perf_counter()
         top, whitening = score_index(index, grads, options, scores_out)
         seconds = time.perf_counter() - start
@@ -226,7 +228,7 @@ def replay_score(cfg: ScoreConfig) -> tuple[dict[str, Any], list[dict], dict[Any
     differentiates every world-th query)."""
     assert cfg.finetune is not None
     dist = Distributed.current()
-    replayed = load_replay(cfg.finetune, cfg.device, cfg.checkpoint_every)
+    replayed = load_replay(cfg.finetune, cfg.device, cfg.checkpoint_every, cfg.trust_remote_code)
     note(f"replayed {cfg.finetune} in {replayed.replay_seconds:.1f} s (final weights within "
          f"{replayed.max_weight_difference:.1g} of the saved ones)")  # fmt: skip
     queries = load_queries(cfg.queries, replayed.max_length, replayed.tokenizer)
@@ -245,7 +247,7 @@ def replay_score(cfg: ScoreConfig) -> tuple[dict[str, Any], list[dict], dict[Any
         "replay_seconds": replayed.replay_seconds, "score_seconds": seconds,
         "max_weight_difference": replayed.max_weight_difference,
     }  # fmt: skip
-    with run_folder(cfg.out, "score", cfg, cfg.overwrite) as run:
+    with run_folder(cfg.out, "score", cfg, cfg.overwrite, resumable=False) as run:
         if dist.is_main:
             if cfg.save_scores:
                 np.save(run.path / "scores.npy", scores.astype(np.float32))
@@ -328,7 +330,7 @@ def pick_latent(cfg: ScoreConfig, sae_dir: str) -> int:
     if cfg.index is None:
         raise AssayError("--query_sae needs --index (the latent is attributed through an index)")
     index = open_index(cfg.index)
-    setup = setup_from_index(index, cfg.device)
+    setup = setup_from_index(index, cfg.device, cfg.trust_remote_code)
     queries = load_queries(cfg.queries, int(index.meta["data"]["max_length"]), setup.tokenizer)
     return most_active_latent(setup.model, load_hooked_sae(sae_dir), queries.examples, setup.pad_id)
 

@@ -47,7 +47,7 @@ class ReplayedRun:
     max_weight_difference: float
 
 
-def _finetune_config(run_dir: Path) -> FinetuneConfig:
+def _finetune_config(run_dir: Path, trust_remote_code: bool) -> FinetuneConfig:
     if not (run_dir / DONE_FILE).exists():
         part = run_dir.with_name(run_dir.name + ".part")
         hint = f" ({part} is an interrupted run: finish it first)" if part.exists() else ""
@@ -57,7 +57,7 @@ def _finetune_config(run_dir: Path) -> FinetuneConfig:
         raise AssayError(f"--finetune {run_dir} holds an assay {saved.get('command')} run, not finetune")
     if not (run_dir / ORDER_FILE).exists():
         raise AssayError(f"--finetune {run_dir} has no {ORDER_FILE}: its visit order is needed to replay it")
-    cfg = config_from_dict(FinetuneConfig, saved["config"])
+    cfg = config_from_dict(FinetuneConfig, saved["config"], trust_remote_code)
     if cfg.selection and cfg.selection_weights and read_weights(cfg.selection) is not None:
         raise AssayError(
             f"--finetune {run_dir} trained with per-example selection weights, which the replay does not "
@@ -71,10 +71,11 @@ def _finetune_config(run_dir: Path) -> FinetuneConfig:
 
 
 def load_replay(run_dir: str | Path, device: str = "auto", checkpoint_every: int = 1,
-                offload: Path | None = None) -> ReplayedRun:  # fmt: skip
-    """Rebuild the run (data, order, recipe, θ_0), replay it and check the final weights."""
+                trust_remote_code: bool = False, offload: Path | None = None) -> ReplayedRun:  # fmt: skip
+    """Rebuild the run (data, order, recipe, θ_0), replay it and check the final weights.
+    `trust_remote_code` comes from the caller's command line, never from the run's saved config."""
     run_dir = Path(run_dir)
-    cfg = _finetune_config(run_dir)
+    cfg = _finetune_config(run_dir, trust_remote_code)
     _, policy = setup_runtime(replace(cfg.runtime, device=device))  # seeds as the run did: same θ_0
     tokenizer = load_tokenizer(cfg.model)
     data = prepare_data(cfg, tokenizer)
