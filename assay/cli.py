@@ -6,8 +6,10 @@ Command modules are imported only when run, so `assay --help` starts instantly.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
+import io
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -64,15 +66,30 @@ def parse(name: str, args: Sequence[str]) -> tuple[Any, Callable[[Any], Any]]:
     import tyro
 
     config_cls, run = load(COMMANDS[name])
-    cfg: Any = tyro.cli(
-        config_cls,
-        args=list(args),
-        prog=f"assay {name}",
-        use_underscores=True,
-        description=config_cls.__doc__,
-        config=(tyro.conf.PositionalMetavarFromFieldName,),
-    )
+    shown = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(shown):  # tyro's usage errors come back as one line
+            cfg: Any = tyro.cli(
+                config_cls,
+                args=list(args),
+                prog=f"assay {name}",
+                use_underscores=True,
+                description=config_cls.__doc__,
+                config=(tyro.conf.PositionalMetavarFromFieldName,),
+            )
+    except SystemExit as e:
+        if e.code in (0, None):  # --help
+            raise
+        raise AssayError(usage_error(shown.getvalue(), name)) from None
     return cfg, run
+
+
+def usage_error(text: str, name: str) -> str:
+    """tyro's boxed usage error as one line: its message, then where the full help is."""
+    lines = [ln.strip(" │╭╮╰╯─") for ln in text.splitlines() if not ln.lstrip().startswith("╭")]  # title
+    words = " ".join(ln for ln in lines if ln and not ln.startswith("For full helptext"))
+    words = " ".join(words.split()) or "invalid arguments"
+    return f"{words} (see `assay {name} --help`)"
 
 
 def _replay_config() -> type:

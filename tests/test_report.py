@@ -34,8 +34,8 @@ TEXTS = [
 ]
 SAE_ARGS = (
     "--hookpoint model.layers.0 --training_tokens 2048 --batch_tokens 256 --context_length 32 "
-    "--buffer_batches 2 --lm_batch_contexts 4 --metrics_every 2 --eval_every 4 --eval_contexts 2 "
-    "--expansion_factor 2 --k 4 --eval_split train --precision fp32 --browser_latents 6 --browser_examples 18"
+    "--buffer_batches 2 --lm_batch_contexts 4 --metrics_every 2 --eval_every 4 --eval_contexts 6 "
+    "--expansion_factor 2 --k 4 --precision fp32 --browser_latents 6 --browser_examples 6"
 ).split()
 
 
@@ -335,7 +335,7 @@ def test_latent_json_against_a_dense_reference(runs, tiny_model_dir):
         cfg = config_from_dict(SaeTrainConfig, load_run_config(sae_dir)["config"])
         own = browse_sae_run(cfg, sae_dir, 0, browser.source["max_texts"], "cpu", first=(latent,)).features[0]
     assert saved["feature"]["latent"] == latent and saved["feature"]["contexts"] == own.to_json()["contexts"]
-    assert saved["feature"]["histogram"] == own.histogram and saved["feature_sample"]["texts"] == 18
+    assert saved["feature"]["histogram"] == own.histogram and saved["feature_sample"]["texts"] == 6
 
 
 def test_score_writes_the_training_texts_it_lists(runs):

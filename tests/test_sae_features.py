@@ -143,8 +143,8 @@ def _same_record(a, b) -> None:
 
 SAE_ARGS = (
     "--hookpoint model.layers.0 --training_tokens 1024 --batch_tokens 256 --context_length 32 "
-    "--buffer_batches 2 --lm_batch_contexts 4 --metrics_every 2 --eval_contexts 2 "
-    "--expansion_factor 2 --k 4 --eval_split train --precision fp32"
+    "--buffer_batches 2 --lm_batch_contexts 4 --metrics_every 2 --eval_contexts 4 "
+    "--expansion_factor 2 --k 4 --precision fp32"
 ).split()
 
 

@@ -173,11 +173,9 @@ def test_optimizer_option_resolves_and_round_trips_through_json() -> None:
 def test_unknown_optimizer_is_a_one_line_error(capsys) -> None:  # type: ignore[no-untyped-def]
     from assay.cli import main
 
-    with pytest.raises(AssayError, match="--optimizer must be one of auto, adam, signum"):
-        SaeTrainConfig(out="o", optimizer="sgd")
-    assert main(["sae", "train", "o", "--optimizer", "sgd"]) == 2
+    assert main(["sae", "train", "o", "--optimizer", "sgd"]) == 2  # a Literal: tyro refuses it
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "--optimizer must be one of" in err
+    assert len(err.splitlines()) == 1 and "'--optimizer'" in err and "'signum'" in err
 
 
 def test_a_checkpoint_is_resumed_only_by_the_optimizer_and_layout_that_wrote_it(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from assay.core.config import DataConfig, ModelConfig, RuntimeConfig
+from assay.core.errors import AssayError
 from assay.core.precision import PrecisionPolicy
 from assay.sae import loop as loop_mod
 from assay.sae import train as train_mod
@@ -298,3 +299,46 @@ def test_several_saes_from_one_pass_equal_the_same_saes_trained_alone(
             assert torch.equal(wa[name], wb[name]), (hook, k, name)
         got = summary["saes"][f"{hook}-k{k}"]
         assert got["hookpoint"] == hook and got["l0"] <= k
+
+
+def test_a_single_file_holds_out_its_last_contexts(tiny_model_dir, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A one-file dataset has no eval split: its last --eval_contexts contexts are held out, never
+    trained on, and the run's held-out metrics and browser read exactly those."""
+    from assay.lm.models import load_tokenizer
+    from assay.sae.sources import split_contexts
+
+    path = tmp_path / "one.jsonl"
+    path.write_text("".join(json.dumps({"text": t * 3}) + "\n" for t in SAMPLE_TEXTS * 4))
+    cfg = _cfg(tiny_model_dir, path, tmp_path / "sae", eval_contexts=3)
+    tokenizer = load_tokenizer(cfg.model)
+    train, held = split_contexts(cfg, tokenizer)
+    assert held.shape == (3, 16)
+    everything = np.concatenate([train, held])
+    assert not any((held[i] == train).all(1).any() for i in range(3))  # nowhere in training
+    np.testing.assert_array_equal(everything[-3:], held)  # the file's last contexts
+    summary = train_mod.train_sae(cfg)
+    assert "eval/ce_spliced" in summary and np.isfinite(summary["eval/fvu"])
+
+
+def test_resume_refuses_changed_data(tiny_model_dir, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """An interrupted run resumed on other data is refused by name instead of mixing the two."""
+    import assay.sae.loop as loop_mod
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": t * 3}) + "\n" for t in SAMPLE_TEXTS * 4))
+    cfg = _cfg(tiny_model_dir, data, tmp_path / "sae", eval_contexts=2)
+    real_step, calls = loop_mod.train_step, []
+
+    def crashing_step(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(loop_mod, "train_step", crashing_step)
+    with pytest.raises(KeyboardInterrupt):
+        train_mod.train_sae(cfg)
+    monkeypatch.setattr(loop_mod, "train_step", real_step)
+    data.write_text(data.read_text().replace("the", "a"))  # same file, other texts
+    with pytest.raises(AssayError, match="dataset"):
+        train_mod.train_sae(cfg)

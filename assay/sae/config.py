@@ -11,7 +11,7 @@ from typing import Annotated, ClassVar, Literal
 
 import tyro
 
-from assay.core.config import DataConfig, ModelConfig, RuntimeConfig
+from assay.core.config import DataConfig, ModelSource, RuntimeConfig
 from assay.core.errors import AssayError
 from assay.sae.architectures import architecture_class, names
 
@@ -109,7 +109,7 @@ class SaeTrainConfig:
 
     out: tyro.conf.Positional[str]
     """Output folder: the SAE in SAELens format, metrics.jsonl, checkpoints, summary.json."""
-    model: tyro.conf.OmitArgPrefixes[ModelConfig] = field(default_factory=ModelConfig)
+    model: tyro.conf.OmitArgPrefixes[ModelSource] = field(default_factory=ModelSource)
     data: tyro.conf.OmitArgPrefixes[DataConfig] = field(default_factory=lambda: DataConfig("shakespeare"))
     runtime: tyro.conf.OmitArgPrefixes[RuntimeConfig] = field(
         default_factory=lambda: RuntimeConfig(precision="fp32")
@@ -142,7 +142,7 @@ class SaeTrainConfig:
     """Shuffling buffer size in batches: each batch mixes tokens of this many batches' contexts."""
     lm_batch_contexts: int = 32
     """Contexts per language-model forward while streaming activations."""
-    optimizer: str = "auto"
+    optimizer: Literal["auto", "adam", "signum"] = "auto"
     """auto, adam or signum. signum: schedule-free sign-SGD (Defazio et al.'s averaging around
     sign updates; sparsify's default); the SAE is evaluated and saved at the averaged point.
     auto: signum with the unit decoder start (topk/batchtopk by default; fixed-size sign steps
@@ -179,7 +179,11 @@ class SaeTrainConfig:
     eval_every: int = 0
     """Steps between splice evaluations on held-out text (0: only at the end)."""
     eval_split: str = "eval"
-    """Held-out split of --dataset for splice evaluations."""
+    """Held-out split of --dataset for splice evaluations and the feature browser."""
+    eval_dataset: str | None = None
+    """Held-out data instead of --eval_split of --dataset (a file is read whole). A single --dataset
+    file has no splits: without this, its last --eval_contexts contexts are held out and never
+    trained on."""
     eval_contexts: int = 32
     """Held-out contexts per splice evaluation."""
     checkpoint_every: int = 200
@@ -291,7 +295,7 @@ class SaeEvalConfig:
 
     sae_dir: tyro.conf.Positional[str]
     """Folder with cfg.json and sae_weights.safetensors."""
-    model: tyro.conf.OmitArgPrefixes[ModelConfig] = field(default_factory=ModelConfig)
+    model: tyro.conf.OmitArgPrefixes[ModelSource] = field(default_factory=ModelSource)
     data: tyro.conf.OmitArgPrefixes[DataConfig] = field(
         default_factory=lambda: DataConfig("shakespeare", split="eval")
     )

@@ -34,6 +34,7 @@ from assay.lm.models import load_model, load_tokenizer, resolve_device
 from assay.sae.config import SaeTrainConfig
 from assay.sae.model import SparseAutoencoder
 from assay.sae.saelens_format import load_sae
+from assay.sae.sources import held_out_data, split_contexts
 
 FEATURES_FILE = "features.json"
 """Where `assay sae train` writes the browser in its run folder (the report reads it)."""
@@ -351,11 +352,20 @@ def _features(
 
 
 def held_out_examples(cfg: SaeTrainConfig, tokenizer: Any, num_examples: int) -> Examples:
-    """The first `num_examples` texts of the SAE run's held-out split (--eval_split of its dataset),
-    each cut to its context length; texts of fewer than two tokens are left out."""
-    data = dataclasses.replace(
-        cfg.data, split=cfg.eval_split, max_samples=num_examples, max_length=max(cfg.context_length, 2)
-    )
+    """The first `num_examples` texts of the SAE run's held-out data (sources.held_out_data), each
+    cut to its context length; texts of fewer than two tokens are left out. A single training
+    file's held-out part is its last --eval_contexts contexts (what training never saw)."""
+    held = held_out_data(cfg)
+    if held is None:
+        contexts = split_contexts(cfg, tokenizer)[1][:num_examples]  # [n, T]
+        n, width = contexts.shape
+        return Examples(
+            ids=np.arange(n, dtype=np.int64),
+            offsets=np.arange(0, n * width + 1, width, dtype=np.int64),
+            tokens=contexts.reshape(-1).astype(np.int32),
+            loss_start=np.ones(n, dtype=np.int64),
+        )
+    data = dataclasses.replace(held, max_samples=num_examples, max_length=max(cfg.context_length, 2))
     _, examples = load_examples(data, tokenizer)
     return examples.subset(np.flatnonzero(examples.lengths > 1))
 
@@ -376,7 +386,7 @@ def browse_sae_run(
     browser.source = {
         "model": cfg.model.model,
         "dataset": cfg.data.dataset,
-        "split": cfg.eval_split,
+        "split": cfg.eval_split if held_out_data(cfg) is not None else "the file's last contexts",
         "context_length": cfg.context_length,
         "hookpoint": cfg.hookpoint,
         "max_texts": num_examples,

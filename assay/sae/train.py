@@ -17,7 +17,7 @@ import torch
 from assay.core.distributed import Distributed
 from assay.core.errors import AssayError
 from assay.core.precision import PrecisionPolicy
-from assay.core.runs import config_to_dict, run_folder, write_json
+from assay.core.runs import check_inputs, config_to_dict, run_folder, write_json
 from assay.lm.models import setup_runtime
 from assay.sae.activations import ShuffledBatches
 from assay.sae.checkpoint import CHECKPOINT
@@ -137,8 +137,11 @@ def train_sae(cfg: SaeTrainConfig) -> dict[str, Any]:
         raise AssayError(
             f"--batch_tokens {cfg.batch_tokens} must be a multiple of the {dist.world_size} ranks"
         )
-    with run_folder(cfg.out, "sae train", cfg, cfg.overwrite) as run:  # refuses a clash before any work
-        model, source, eval_contexts = build_data(cfg, policy)
+    with run_folder(
+        cfg.out, "sae train", cfg, cfg.overwrite, free=("wandb", "wandb_project")
+    ) as run:  # refuses a clash before any work
+        model, source, eval_contexts, inputs = build_data(cfg, policy)
+        check_inputs(run, inputs)  # a resumed run must read the data and model it began with
         # each rank: its own stream (another seed), its share of the global batch
         seed = cfg.runtime.seed + 1_000 * dist.rank
         batches = ShuffledBatches(source, cfg.batch_tokens // dist.world_size, cfg.buffer_batches, seed)
