@@ -63,7 +63,7 @@ def _split_command(argv: list[str]) -> tuple[str, list[str]]:
 
 def parse(name: str, args: Sequence[str]) -> tuple[Any, Callable[[Any], Any]]:
     """Parse a command's flags into its config (through tyro)."""
-    import tyro
+    import tyro  # lazy: `assay --help` must not wait for the parser library
 
     config_cls, run = load(COMMANDS[name])
     shown = io.StringIO()
@@ -95,7 +95,7 @@ def usage_error(text: str, name: str) -> str:
 def _replay_config() -> type:
     """The `assay replay` config: built on first use (tyro loads only when a command runs), its
     help from each field's `tyro.conf.arg`."""
-    import tyro
+    import tyro  # lazy: `assay --help` must not wait for the parser library
 
     def arg(tp: Any, help: str, *more: Any) -> Any:
         return Annotated[(tp, tyro.conf.arg(help=help), *more)]  # type: ignore[valid-type]
@@ -118,10 +118,10 @@ def _replay_config() -> type:
 def replay(args: list[str]) -> Any:
     """`assay replay RUN_DIR [--out NEW] [--overwrite] [--trust_remote_code]`: run a saved config
     again (parsed like every command: unknown flags are refused)."""
-    import tyro
+    import tyro  # lazy: `assay --help` must not wait for the parser library
 
-    from assay.core.console import note
-    from assay.core.runs import config_from_dict, load_run_config
+    from assay.core.console import note  # lazy: replay only
+    from assay.core.runs import config_from_dict, load_run_config  # lazy: replay only
 
     cfg: Any = tyro.cli(
         _replay_config(),
@@ -162,9 +162,9 @@ def entry() -> int:
     collections nor interpreter shutdown walk them (see `frozen_imports`). `main` itself
     leaves the collector alone, so tests can call it in-process.
     """
-    import gc
+    import gc  # lazy: only the console entry point freezes the collector
 
-    from assay.core.memory import frozen_imports
+    from assay.core.memory import frozen_imports  # lazy: entry point only
 
     command = _command_to_preload(sys.argv[1:])
     if command is not None:
@@ -191,7 +191,7 @@ def _command_to_preload(args: list[str]) -> Command | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: returns the process exit code. Errors are one line unless --debug."""
-    from assay.core.console import install_cli_handler
+    from assay.core.console import install_cli_handler  # lazy: keeps `assay --help` instant
 
     args = list(sys.argv[1:] if argv is None else argv)
     debug, quiet = "--debug" in args, "--quiet" in args
@@ -211,7 +211,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             run(cfg)
         _finish_distributed()
     except (AssayError, OSError) as e:
-        from assay.core.disk import as_disk_full
+        from assay.core.disk import as_disk_full  # lazy: loads numpy
 
         message = e if isinstance(e, AssayError) else as_disk_full(e, Path("."))
         if message is None:  # any other OSError is a bug to report, with its traceback
@@ -232,7 +232,7 @@ def _help_or_version(args: list[str]) -> int | None:
         print(_usage())
         return 0
     if args[0] == "--version":
-        from assay.core.runs import package_version
+        from assay.core.runs import package_version  # lazy: keeps `assay --version` instant
 
         print(f"assay {package_version()}")
         return 0
@@ -244,7 +244,7 @@ def _help_or_version(args: list[str]) -> int | None:
 
 def _rank_label() -> str:
     """The " (rank R of W)" label under torchrun, so a failing rank is named; "" in one process."""
-    import os
+    import os  # lazy: only under torchrun
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     return f" (rank {os.environ.get('RANK', '0')} of {world})" if world > 1 else ""
@@ -255,7 +255,7 @@ def _fail(message: str) -> None:
     other ranks (they may be waiting in a collective that this rank will never join)."""
     print(message, file=sys.stderr, flush=True)
     if _rank_label():
-        import os
+        import os  # lazy: only under torchrun
 
         sys.stdout.flush()
         os._exit(2)  # not destroy_process_group(): with peers inside a collective it can block
@@ -269,9 +269,9 @@ def _finish_distributed() -> None:
     threads were seen to abort a rank (std::terminate, SIGABRT) after all its work was done;
     every output is already written and closed by then."""
     if _rank_label():
-        import os
+        import os  # lazy: only under torchrun
 
-        from assay.core.distributed import finish_process_group
+        from assay.core.distributed import finish_process_group  # lazy: loads torch
 
         finish_process_group()
         sys.stdout.flush()

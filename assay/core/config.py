@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from assay.core.errors import AssayError
+
 PrecisionName = Literal["auto", "fp32", "bf16", "fp16", "bf16-pure"]
 MAX_SEED = 2**63  # torch.manual_seed takes at most 64 bits; numpy's generators any non-negative int
 MAX_THREADS = 4096
@@ -42,8 +44,6 @@ class ModelConfig(ModelSource):
     """Module names LoRA attaches to (default: every attention and MLP projection)."""
 
     def __post_init__(self) -> None:
-        from assay.core.errors import AssayError
-
         if self.lora_rank < 0:
             raise AssayError(f"--lora_rank must be >= 0, got {self.lora_rank}")
         if self.lora_alpha < 1:
@@ -82,8 +82,6 @@ class DataConfig:
     """The value --filter_column must equal."""
 
     def __post_init__(self) -> None:
-        from assay.core.errors import AssayError
-
         if (self.prompt_column is None) != (self.completion_column is None):
             raise AssayError("--prompt_column and --completion_column go together")
         if self.max_samples is not None and self.max_samples <= 0:
@@ -114,8 +112,6 @@ class RuntimeConfig:
     composition under bf16."""
 
     def __post_init__(self) -> None:
-        from assay.core.errors import AssayError
-
         if not 0 <= self.seed < MAX_SEED:
             raise AssayError(f"--seed must be in [0, 2^63), got {self.seed}")
         if not 0 <= self.threads <= MAX_THREADS:
@@ -150,8 +146,6 @@ class QueryConfig:
     """Ad-hoc query texts (`--query_text TEXT [TEXT ...]`), used along with --query_dataset."""
 
     def __post_init__(self) -> None:
-        from assay.core.errors import AssayError
-
         if any(not text.strip() for text in self.query_text):
             raise AssayError("a --query_text is empty; give the text to attribute")
         if (self.query_filter_column is None) != (self.query_filter_value is None):

@@ -14,6 +14,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from assay.core.errors import AssayError
 
 MB = 1 << 20
@@ -40,8 +42,6 @@ def reserve(path: Path | str, size: int | None = None) -> None:
 
 def open_memmap_reserved(path: Path | str, dtype: Any, shape: tuple[int, ...]) -> Any:
     """A new .npy memmap (`np.lib.format.open_memmap` mode w+) whose blocks are all allocated."""
-    import numpy as np
-
     arr = np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=shape)
     reserve(path)
     return arr

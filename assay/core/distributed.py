@@ -23,6 +23,8 @@ import numpy as np
 import torch
 import torch.distributed as tdist
 
+from assay.core.errors import AssayError
+
 T = TypeVar("T")
 _CURRENT: Distributed | None = None
 
@@ -205,8 +207,6 @@ class Distributed:
     def main_only(self, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)` on rank 0 alone (cheap work that writes shared files); every rank returns
         rank 0's result, or raises the AssayError rank 0 hit (none waits forever)."""
-        from assay.core.errors import AssayError
-
         result, error = None, None
         if self.is_main:
             try:

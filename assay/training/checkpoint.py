@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from assay.core.distributed import Distributed
@@ -106,8 +107,6 @@ def export_optimizer_state(
 
 def load_second_moments(path: str | Path, bias_correct: bool = True) -> dict[str, torch.Tensor]:
     """{parameter name: fp32 v} from an exported optimizer state (bias-corrected by default)."""
-    from safetensors import safe_open
-
     path = Path(path)
     if path.is_dir():
         path = path / OPTIMIZER_STATE_FILE

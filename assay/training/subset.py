@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from assay.core.errors import AssayError
-from assay.core.runs import read_json
+from assay.core.runs import read_json, write_json
 
 ORDER_FILE = "order.json"
 SELECTION_FILES = ("selected_ids.txt", "selection.jsonl")
@@ -96,6 +96,4 @@ def restricted_plan(plan: list[np.ndarray], ids: np.ndarray) -> list[np.ndarray]
 
 
 def write_plan(path: Path, plan: list[np.ndarray]) -> None:
-    from assay.core.runs import write_json
-
     write_json(path, {"epochs": [e.tolist() for e in plan]})

@@ -151,13 +151,13 @@ def test_replay_scores_a_finished_finetune_and_refuses_one_that_does_not_replay(
         pool.write_text(saved)
 
 
-
 def test_a_finished_validation_is_extended_with_more_methods(experiment, monkeypatch):
     """More --methods reuse the ground truth (no retraining) and join the earlier results."""
     root, cfg, _ = experiment
     monkeypatch.setattr(validate_mod, "run_subset", lambda *a: pytest.fail("retrained a subset"))
     result = validate(replace(cfg, methods=("cosine",)))
     assert {"inner-fp32", "influence-fp32", "cosine-fp32"} <= set(result["results"])
+
 
 def test_another_recipe_is_refused_by_name(experiment, tiny_model_dir):
     root, cfg, _ = experiment
