@@ -22,8 +22,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from assay.attribution.kernel import RowSource, TopRows, unit_rows
+from assay.attribution.kernel import TopRows, unit_rows
 from assay.attribution.precondition import Whitening
+from assay.attribution.rows import RowSource
 from assay.core.console import note
 from assay.core.errors import AssayError
 
@@ -32,7 +33,7 @@ ANN_MODES = ("trackstar", "cosine")
 
 def require_faiss() -> Any:
     try:
-        import faiss
+        import faiss  # optional (assay[faiss]): loaded only for --search faiss
     except ImportError:
         raise AssayError("--search faiss needs FAISS: pip install 'assay[faiss]' (or faiss-cpu)") from None
     return faiss

@@ -18,10 +18,11 @@ import torch
 from torch import nn
 
 from assay.attribution.collector import GradientCollector, Objective, linear_modules
-from assay.attribution.kernel import TensorRows, TopRows, plan_queries, score_rows
+from assay.attribution.kernel import TopRows, plan_queries, score_rows
 from assay.attribution.options import ScoreOptions
 from assay.attribution.precondition import Whitening, build_whitening, second_moment_sums
 from assay.attribution.projection import Projector
+from assay.attribution.rows import TensorRows
 from assay.core.errors import AssayError
 from assay.core.precision import PrecisionPolicy
 

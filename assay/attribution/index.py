@@ -28,6 +28,7 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
+from safetensors.torch import load_file, save_file
 
 from assay.attribution.kfac import KronFactors, load_factors
 from assay.attribution.normalizers import sample_positions
@@ -125,8 +126,6 @@ class GradientIndex:
 
 def load_safetensors(path: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a safetensors file; a torn or garbled file is one line."""
-    from safetensors.torch import load_file
-
     try:
         return dict(load_file(str(path)))
     except Exception as e:  # SafetensorError (no public type to catch), OSError, ...
@@ -257,8 +256,6 @@ def index_fingerprint(model: torch.nn.Module, meta: dict[str, Any]) -> str:
 
 def save_preconditioner_stats(folder: Path, meta: dict[str, Any], samples: int, seed: int) -> None:
     """Per-module fp32 Σ g gᵀ over a seeded sample of the stored rows, autocast off."""
-    from safetensors.torch import save_file
-
     too_big = [m["name"] for m in meta["modules"] if m["stop"] - m["start"] > MAX_STATS_DIM]
     if too_big:
         raise AssayError(

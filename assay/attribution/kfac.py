@@ -68,6 +68,8 @@ from pathlib import Path
 from typing import Literal
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
 
 from assay.attribution.api import Gradients
@@ -216,8 +218,6 @@ FORMAT = "assay-kfac/1"
 
 def save_factors(factors: KronFactors, path: str | Path) -> Path:
     """Write the factors to one safetensors file (fp32 tensors, metadata in its header)."""
-    from safetensors.torch import save_file
-
     path = Path(path)
     tensors: dict[str, torch.Tensor] = {}
     layout_meta = []
@@ -247,8 +247,6 @@ def save_factors(factors: KronFactors, path: str | Path) -> Path:
 
 def load_factors(path: str | Path) -> KronFactors:
     """Read factors written by `save_factors`."""
-    from safetensors import safe_open
-
     path = Path(path)
     if not path.is_file():
         raise AssayError(f"no K-FAC factors at {path}; build the index with --preconditioner kfac or ekfac")

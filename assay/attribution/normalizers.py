@@ -23,6 +23,8 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
 
 from assay.core.distributed import Distributed
@@ -61,8 +63,6 @@ class Normalizer:
         return 1.0 / (self.tensors[name].clamp_min(0).sqrt() + ADAM_EPS)
 
     def save(self, path: Path) -> None:
-        from safetensors.torch import save_file
-
         tmp = path.with_name(path.name + ".tmp")  # atomic: a killed build never leaves half a file
         tensors = {k: v.contiguous() for k, v in self.tensors.items()}
         save_file(tensors, str(tmp), metadata={"kind": self.kind})
@@ -70,8 +70,6 @@ class Normalizer:
 
     @classmethod
     def load(cls, path: Path) -> Normalizer:
-        from safetensors import safe_open
-
         try:
             with safe_open(str(path), framework="pt") as f:
                 kind = (f.metadata() or {}).get("kind", "")
@@ -189,8 +187,6 @@ def load_optimizer_state(
 
 def _load_assay_state(path: Path, kind: str, modules: dict[str, nn.Module]) -> Normalizer:
     """`assay finetune`'s export: "NAME.exp_avg_sq" per parameter name, metadata step and beta2."""
-    from safetensors import safe_open
-
     if not path.exists():
         raise AssayError(f"optimizer state {path} not found")
     with safe_open(str(path), framework="pt") as f:

@@ -22,19 +22,12 @@ from assay.attribution.ann import load_or_build_ann, search_ann
 from assay.attribution.build import GradientSetup, collect
 from assay.attribution.collector import Objective
 from assay.attribution.index import GradientIndex, index_fingerprint
-from assay.attribution.kernel import (
-    ArrayRows,
-    TopRows,
-    base_sq_norms,
-    half_gemm_is_exact_enough,
-    plan_queries,
-    row_norms,
-    score_rows,
-)
+from assay.attribution.kernel import TopRows, half_gemm_is_exact_enough, plan_queries, score_rows
 from assay.attribution.kfac import precondition_rows, projected_curvature
 from assay.attribution.options import ScoreOptions
 from assay.attribution.precondition import Whitening, build_whitening, second_moment_sums
 from assay.attribution.projection import Projector
+from assay.attribution.rows import ArrayRows, base_sq_norms, row_norms
 from assay.core.config import DataConfig
 from assay.core.console import note, warn
 from assay.core.distributed import Distributed
