@@ -112,6 +112,13 @@ class BuildConfig:
     block) for models that do not fit on one device. Same index; see docs/distributed.md."""
     overwrite: bool = False
     """Replace a finished index in OUT."""
+    append: bool = False
+    """Add the rows of --dataset to the finished index in OUT (same model, projection, normalizer,
+    modules and preconditioner: the index's settings are used, a flag set to another value is
+    refused). Resumable; OUT stays a whole index until the append is done (docs/index-format.md)."""
+    id_offset: int | None = None
+    """With --append: added to the new dataset's row ids (default: one more than the index's largest
+    id). Ids already in the index are refused."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.projection_dim <= MAX_PROJECTION:
@@ -134,6 +141,10 @@ class BuildConfig:
             raise AssayError(f"--preconditioner {self.preconditioner} is not available with --fsdp yet")
         if min(self.normalizer_samples, self.stats_samples) < 1:
             raise AssayError("--normalizer_samples and --stats_samples must be positive")
+        if self.id_offset is not None and (not self.append or self.id_offset < 0):
+            raise AssayError("--id_offset goes with --append and must be >= 0")
+        if self.append and self.overwrite:
+            raise AssayError("--append adds to the index in OUT; --overwrite would replace it: choose one")
 
 
 @dataclass
@@ -213,7 +224,12 @@ def setup_from_index(
 
 
 def build_index(cfg: BuildConfig) -> dict[str, Any]:
-    """Build (or resume) the index in cfg.out; returns its metadata and throughput."""
+    """Build (or resume) the index in cfg.out, or with --append add rows to it; returns its metadata
+    and throughput."""
+    if cfg.append:
+        from assay.attribution.append import append_index  # it builds on this module
+
+        return append_index(cfg)
     dist = Distributed.current()
     if cfg.fsdp:
         fsdp.require_processes(dist)  # before OUT.part exists
@@ -232,7 +248,8 @@ def build_index(cfg: BuildConfig) -> dict[str, Any]:
         # Rank 0 estimates the normalizer and saves it, the others then load that file; with
         # sharded weights every rank must join its forward/backward passes, so all estimate.
         with nullcontext() if cfg.fsdp else dist.main_first():
-            normalizer = _normalizer(cfg, run.path, model, modules, examples, policy, tokenizer.pad_token_id)
+            pad = tokenizer.pad_token_id
+            normalizer = load_or_estimate_normalizer(cfg, run.path, model, modules, examples, policy, pad)
         if cfg.preconditioner in ("kfac", "ekfac"):
             fit_curvature(cfg, run.path, model, modules, examples, policy, tokenizer.pad_token_id)
         projector = Projector(cfg.projection_dim, cfg.projection_seed)
@@ -287,7 +304,9 @@ def _metadata(cfg: BuildConfig, setup: GradientSetup, col: GradientCollector, ex
     }
 
 
-def _normalizer(cfg, folder: Path, model, modules, examples, policy, pad_id) -> Normalizer | None:
+def load_or_estimate_normalizer(
+    cfg, folder: Path, model, modules, examples, policy, pad_id
+) -> Normalizer | None:
     """Load it from the run folder when resuming (never re-estimate), else load or estimate."""
     if cfg.normalizer == "none":
         return None

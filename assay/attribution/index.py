@@ -16,6 +16,12 @@ each must have its recorded size, and its recorded hash — in full for files up
 FULL_HASH_BYTES, and for larger ones (the gradient rows of a big index) over a fixed sample of
 blocks (the header, the first and last MiB, 64 blocks spread evenly), so opening stays cheap
 whatever N is. `verify="full"` hashes every byte.
+
+`gradients.npy` may be longer than the index: `assay build --append` writes the new rows past
+the old ones and sets the header's row count before it swaps in the new index.json (see
+attribution/append.py). So the number of rows is index.json's, the header supplies the dtype and
+width, and the file's checksum covers its first `size` bytes with the header read as if it said
+index.json's row count: an index stays whole however an append into it ends.
 """
 
 from __future__ import annotations
@@ -158,19 +164,66 @@ def open_index(path: Path | str, verify: Verify = "fast") -> GradientIndex:
     if verify != "none":
         verify_files(path, meta, verify == "full")
     try:
-        grads = np.load(path / GRADIENTS_FILE, mmap_mode="r", allow_pickle=False)
+        grads = open_rows(path / GRADIENTS_FILE, int(meta["num_examples"]), int(meta["dim"]))
         ids = np.load(path / IDS_FILE, allow_pickle=False)
         losses = np.load(path / LOSSES_FILE, allow_pickle=False)
         tokens = np.load(path / TOKENS_FILE, allow_pickle=False)
         norms = np.load(path / NORMS_FILE, allow_pickle=False) if (path / NORMS_FILE).exists() else None
     except (OSError, ValueError, EOFError) as e:  # missing, empty, torn or foreign .npy files
         raise AssayError(f"{path} is a damaged index: {first_line(e)}") from None
-    if grads.ndim != 2 or grads.shape != (meta["num_examples"], meta["dim"]) or ids.shape != (len(grads),):
+    if grads is None or ids.shape != (len(grads),):
         raise AssayError(f"{path} is a damaged index: shapes disagree with {META_FILE}")
     for name, arr in ((LOSSES_FILE, losses), (TOKENS_FILE, tokens), (NORMS_FILE, norms)):
         if arr is not None and arr.shape != (len(ids),):
             raise AssayError(f"{path} is a damaged index: {name} has {arr.shape}, not ({len(ids)},)")
     return GradientIndex(path, grads, module_slices(meta), ids, losses, tokens, meta, norms)
+
+
+def read_npy_header(path: Path) -> tuple[int, tuple[int, ...], np.dtype, bytes]:
+    """(data offset, shape, dtype, the header's bytes) of a C-order .npy file (ValueError if not one)."""
+    with open(path, "rb") as f:
+        version = np.lib.format.read_magic(f)
+        fmt = np.lib.format
+        read = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
+        shape, fortran, dtype = read(f)
+        offset = f.tell()
+        f.seek(0)
+        header = f.read(offset)
+    if fortran:
+        raise ValueError(f"{path.name} is in Fortran order")
+    return offset, tuple(int(d) for d in shape), np.dtype(dtype), header
+
+
+def open_rows(path: Path, rows: int, dim: int) -> np.memmap | None:
+    """The first `rows` rows [rows, dim] of a .npy file, memory-mapped read-only (None when the file
+    is not [>= rows or more being appended, dim] or too short). The header's row count may differ
+    from `rows` while an append is under way (module docstring)."""
+    offset, shape, dtype, _ = read_npy_header(path)
+    if len(shape) != 2 or shape[1] != dim or os.path.getsize(path) < offset + rows * dim * dtype.itemsize:
+        return None
+    return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=(rows, dim))
+
+
+def header_for_rows(header: bytes, shape: tuple[int, ...], rows: int) -> bytes | None:
+    """The same .npy header saying `rows` rows, of the same length (numpy pads its headers so the
+    first dimension can grow in place), or None when it does not fit."""
+    text = header.decode("latin1")
+    old, new = f"'shape': {tuple(shape)!r}", f"'shape': {(rows, *shape[1:])!r}"
+    start, end = text.find("{"), text.rfind("}")
+    if start < 0 or end < start or old not in text[start : end + 1]:
+        return None
+    body = text[start : end + 1].replace(old, new, 1)
+    pad = len(text) - 1 - start - len(body)  # spaces, then the final newline
+    return None if pad < 0 else (text[:start] + body + " " * pad + "\n").encode("latin1")
+
+
+def _canonical_header(path: Path, rows: int) -> bytes | None:
+    """The rows file's header as it read when the index had `rows` rows (None: as it is)."""
+    try:
+        _, shape, _, header = read_npy_header(path)
+    except (OSError, ValueError, EOFError):
+        return None  # a broken header fails the checksum on its own
+    return None if shape[:1] == (rows,) else header_for_rows(header, shape, rows)
 
 
 def expected_files(meta: dict[str, Any]) -> list[str]:
@@ -185,20 +238,32 @@ def expected_files(meta: dict[str, Any]) -> list[str]:
     return names
 
 
-def file_digest(path: Path, sampled: bool = False) -> str:
+def file_digest(
+    path: Path, sampled: bool = False, size: int | None = None, header: bytes | None = None
+) -> str:
     """sha256 (hex) of a file's size and bytes: every byte, or (`sampled`) the first and last
-    SAMPLE_ENDS bytes and SAMPLE_BLOCKS blocks of SAMPLE_BLOCK bytes spread evenly."""
-    size = os.path.getsize(path)
+    SAMPLE_ENDS bytes and SAMPLE_BLOCKS blocks of SAMPLE_BLOCK bytes spread evenly. `size`: digest
+    only the file's first `size` bytes (as if it ended there); `header`: read these bytes at its
+    start instead of the file's own."""
+    size = os.path.getsize(path) if size is None else size
     h = hashlib.sha256(str(size).encode())
     with open(path, "rb") as f:
+
+        def read(start: int, length: int) -> bytes:
+            data = os.pread(f.fileno(), max(min(length, size - start), 0), start)
+            if header is not None and start < len(header):
+                cut = header[start : start + len(data)]
+                data = cut + data[len(cut) :]
+            return data
+
         if not sampled:
-            while chunk := f.read(8 << 20):
-                h.update(chunk)
+            for start in range(0, size, 8 << 20):
+                h.update(read(start, 8 << 20))
             return h.hexdigest()
         step = max(size - SAMPLE_BLOCK, 0) // (SAMPLE_BLOCKS - 1)
         spans = [(0, SAMPLE_ENDS), (max(size - SAMPLE_ENDS, 0), SAMPLE_ENDS)]
         for start, length in spans + [(k * step, SAMPLE_BLOCK) for k in range(SAMPLE_BLOCKS)]:
-            h.update(os.pread(f.fileno(), length, start))
+            h.update(read(start, length))
     return h.hexdigest()
 
 
@@ -232,13 +297,16 @@ def verify_files(path: Path, meta: dict[str, Any], full: bool = False) -> None:
         if not file.is_file():
             raise AssayError(f"{path} is a damaged index: {name} is missing; rebuild the index")
         size = os.path.getsize(file)
-        if size != want["size"]:
+        grows = name == GRADIENTS_FILE  # rows an append writes past the index's (module docstring)
+        if size != want["size"] and not (grows and size > want["size"]):
             raise AssayError(
                 f"{path} is a damaged index: {name} has {size:,} bytes, {want['size']:,} when built; "
                 "rebuild the index"
             )
         sampled = not full and "sampled_sha256" in want
-        if file_digest(file, sampled) != want["sampled_sha256" if sampled else "sha256"]:
+        header = _canonical_header(file, int(meta["num_examples"])) if grows else None
+        digest = file_digest(file, sampled, want["size"], header)
+        if digest != want["sampled_sha256" if sampled else "sha256"]:
             raise AssayError(
                 f"{path} is a damaged index: {name} changed since it was built (checksum); rebuild the "
                 f"index (`assay replay {path} --overwrite`)"
@@ -256,15 +324,28 @@ def index_fingerprint(model: torch.nn.Module, meta: dict[str, Any]) -> str:
 
 def save_preconditioner_stats(folder: Path, meta: dict[str, Any], samples: int, seed: int) -> None:
     """Per-module fp32 Σ g gᵀ over a seeded sample of the stored rows, autocast off."""
+    check_stats_dims(meta)
+    Distributed.current().barrier()  # every rank's rows are on disk
+    grads = np.load(folder / GRADIENTS_FILE, mmap_mode="r")
+    rows = sample_positions(grads.shape[0], samples, seed)
+    sums = preconditioner_sums(grads, rows, meta)
+    if Distributed.current().is_main:
+        write_preconditioner(folder, sums, len(rows))
+
+
+def check_stats_dims(meta: dict[str, Any]) -> None:
+    """Refuse modules too wide for a [d, d] statistics matrix (one line)."""
     too_big = [m["name"] for m in meta["modules"] if m["stop"] - m["start"] > MAX_STATS_DIM]
     if too_big:
         raise AssayError(
             f"module {too_big[0]} has too many columns for a preconditioner; use --projection_dim"
         )
+
+
+def preconditioner_sums(grads: np.ndarray, rows: np.ndarray, meta: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Per-module fp32 [d, d] Σ g gᵀ over the rows `grads[rows]`, in chunks of 1024 in order, autocast
+    off. Under torchrun every rank sums its share of the chunks and all get the total."""
     dist = Distributed.current()
-    dist.barrier()  # every rank's rows are on disk
-    grads = np.load(folder / GRADIENTS_FILE, mmap_mode="r")
-    rows = sample_positions(grads.shape[0], samples, seed)
     sums = {m["name"]: torch.zeros(m["stop"] - m["start"], m["stop"] - m["start"]) for m in meta["modules"]}
     with full_precision("cpu"):
         for i in dist.interleave(range(0, len(rows), 1024)):  # each rank sums its chunks
@@ -274,9 +355,19 @@ def save_preconditioner_stats(folder: Path, meta: dict[str, Any], samples: int, 
                 sums[m["name"]] += x.T @ x
     for total in sums.values():
         dist.all_reduce_(total)  # fp32 sums over ranks
-    if not dist.is_main:
-        return
-    sums["__count__"] = torch.tensor(float(len(rows)), dtype=STATS_DTYPE)
+    return sums
+
+
+def write_preconditioner(folder: Path, sums: dict[str, torch.Tensor], count: int) -> None:
+    """preconditioner.safetensors: the sums and "__count__", written atomically."""
+    tensors = {**sums, "__count__": torch.tensor(float(count), dtype=STATS_DTYPE)}
     tmp = folder / (PRECONDITIONER_FILE + ".tmp")  # atomic: never half a file under its name
-    save_file(sums, str(tmp))
+    save_file(tensors, str(tmp))
     tmp.replace(folder / PRECONDITIONER_FILE)
+
+
+def segments(meta: dict[str, Any]) -> list[dict[str, Any]]:
+    """The datasets the index's rows come from, in row order: {"rows": [start, stop], "data": the
+    DataConfig, "id_offset": added to the dataset's row ids}. One for an index never appended to."""
+    whole = {"rows": [0, int(meta["num_examples"])], "data": meta.get("data"), "id_offset": 0}
+    return list(meta.get("segments") or [whole])

@@ -21,7 +21,7 @@ import torch
 from assay.attribution.ann import load_or_build_ann, search_ann
 from assay.attribution.build import GradientSetup, collect
 from assay.attribution.collector import Objective
-from assay.attribution.index import GradientIndex, index_fingerprint
+from assay.attribution.index import GradientIndex, index_fingerprint, segments
 from assay.attribution.kernel import TopRows, half_gemm_is_exact_enough, plan_queries, score_rows
 from assay.attribution.kfac import precondition_rows, projected_curvature
 from assay.attribution.options import ScoreOptions
@@ -281,17 +281,30 @@ def top_records(index: GradientIndex, query_ids: list[Any], top: TopRows, aggreg
 
 
 def train_texts(index: GradientIndex, ids: set[int]) -> dict[int, str]:
-    """Texts of the given training ids, read through the index's saved data config ({} when that
-    dataset can no longer be loaded)."""
-    data_cfg = DataConfig(**index.meta["data"])
+    """Texts of the given training ids, read through the saved data config of the segment of the
+    index that holds each ({} for a dataset that can no longer be loaded; ids the index does not
+    hold are looked for in its first dataset)."""
+    rows = np.flatnonzero(np.isin(index.ids, np.fromiter(ids, dtype=np.int64, count=len(ids))))
+    row_of = {int(index.ids[r]): int(r) for r in rows}
+    texts: dict[int, str] = {}
+    for k, seg in enumerate(segments(index.meta)):
+        start, stop = seg["rows"]
+        mine = {i for i in ids if start <= row_of.get(i, -1) < stop or (k == 0 and i not in row_of)}
+        if mine:
+            texts.update(_dataset_texts(DataConfig(**seg["data"]), mine, int(seg["id_offset"])))
+    return texts
+
+
+def _dataset_texts(data_cfg: DataConfig, ids: set[int], offset: int) -> dict[int, str]:
+    """{id: text} of the examples whose source row id plus `offset` is in `ids`."""
     try:
         table = load_table(data_cfg)
     except AssayError as e:
         note(f"training texts unavailable ({e}); showing ids only")
         return {}
-    positions = [i for i, v in enumerate(table[ID_COLUMN]) if int(v) in ids]
+    positions = [i for i, v in enumerate(table[ID_COLUMN]) if int(v) + offset in ids]
     subset = table.select(positions)
-    texts = dict(zip((int(v) for v in subset[ID_COLUMN]), texts_of(subset, data_cfg)))
+    texts = dict(zip((int(v) + offset for v in subset[ID_COLUMN]), texts_of(subset, data_cfg)))
     missing = sorted(ids - texts.keys())
     if missing:
         note(

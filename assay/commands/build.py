@@ -12,6 +12,11 @@ Config = BuildConfig
 
 def run(cfg: BuildConfig) -> dict[str, Any]:
     summary = build_index(cfg)
+    if cfg.append:
+        speed = f"; {summary['tokens_per_s']:,.0f} tokens/s" if "tokens_per_s" in summary else ""
+        added, total = summary["appended"], summary["num_examples"]
+        say(f"index {cfg.out}: appended {added} examples, {total} in all{speed}")
+        return summary
     say(
         f"index {cfg.out}: {summary['num_examples']} examples × {summary['dim']} dims "
         f"({len(summary['modules'])} modules, p={cfg.projection_dim}, {summary['precision']}, "
