@@ -398,6 +398,23 @@ class RunningTop:
         keep = vals.topk(min(self.k, vals.shape[1]), dim=1, largest=largest, sorted=True).indices
         return vals.gather(1, keep), rows.gather(1, keep)
 
+    def state(self) -> dict[str, np.ndarray]:
+        """What `restore` needs to continue the merge (to checkpoint a long scoring pass)."""
+        return {
+            "top_values": self.top[0].numpy(), "top_rows": self.top[1].numpy(),
+            "bottom_values": self.bottom[0].numpy(), "bottom_rows": self.bottom[1].numpy(),
+            "non_finite": np.array([self.non_finite_rows, self.first_non_finite], dtype=np.int64),
+        }  # fmt: skip
+
+    @classmethod
+    def restore(cls, state: dict[str, np.ndarray], k: int) -> RunningTop:
+        """A RunningTop that continues from `state` (see `state`)."""
+        top = cls(int(state["top_values"].shape[0]), k)
+        top.top = (torch.from_numpy(state["top_values"]), torch.from_numpy(state["top_rows"]))
+        top.bottom = (torch.from_numpy(state["bottom_values"]), torch.from_numpy(state["bottom_rows"]))
+        top.non_finite_rows, top.first_non_finite = (int(v) for v in state["non_finite"])
+        return top
+
     def result(self) -> TopRows:
         return TopRows(
             self.top[0],

@@ -14,7 +14,7 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -32,6 +32,7 @@ from assay.attribution.score import (
     top_records,
     train_texts,
 )
+from assay.attribution.stream import CorpusConfig
 from assay.bridge.latent import (
     HookedSae,
     latent_objective,
@@ -39,6 +40,7 @@ from assay.bridge.latent import (
     most_active_latent,
     silent_queries,
 )
+from assay.commands.score_tokens import index_tokens
 from assay.core.config import DataConfig, QueryConfig
 from assay.core.console import note, say
 from assay.core.disk import open_memmap_reserved
@@ -107,12 +109,31 @@ class ScoreConfig:
     checkpoint_every: int = 1
     """--finetune: keep the training state every k steps during the replay (1: no recomputation on
     the way back, the most memory; larger k trades memory for recomputing k - 1 steps per segment)."""
+    corpus: tyro.conf.OmitArgPrefixes[CorpusConfig] = field(default_factory=CorpusConfig)
+    granularity: Literal["example", "token"] = "example"
+    """token: also split the scores of each score column's first --token_proponents proponents over
+    their tokens (tokens.jsonl; a heat map in `assay report`; docs/attribution.md)."""
+    token_proponents: int = 5
+    """With --granularity token: proponents per score column whose scores are split over tokens."""
     overwrite: bool = False
     """Replace a finished run in OUT."""
 
     def __post_init__(self) -> None:
-        if (self.index is None) == (self.finetune is None):
-            raise AssayError("give one of --index INDEX (gradient scores) and --finetune RUN (metagradients)")
+        sources = (self.index, self.finetune, self.corpus.model)
+        if sum(source is not None for source in sources) != 1:
+            raise AssayError(
+                "give one of --index INDEX (gradient scores), --finetune RUN (metagradients) and "
+                "--model MODEL --dataset DATA (a corpus scored on the fly, without an index)"
+            )
+        given = self.corpus.first_set_flag() if self.corpus.model is None else None
+        if given is not None:
+            raise AssayError(f"--{given} describes a corpus scored on the fly: it goes with --model MODEL")
+        if self.corpus.model is not None and self.options.search != "exact":
+            raise AssayError("--search faiss needs an index: a corpus scored on the fly is scored exactly")
+        if self.granularity == "token" and self.finetune is not None:
+            raise AssayError("--granularity token splits gradient scores; --finetune has none")
+        if self.token_proponents < 1:
+            raise AssayError(f"--token_proponents must be positive, got {self.token_proponents}")
         if self.finetune is not None and (self.query_sae is not None or self.options.search != "exact"):
             raise AssayError("--finetune attributes the queries' losses: no --query_sae, no --search faiss")
         if self.query_batch_size < 1 or self.checkpoint_every < 0:
@@ -140,7 +161,15 @@ def prepare_queries(cfg: ScoreConfig, index: GradientIndex) -> tuple[GradientSet
     setup = setup_from_index(index, cfg.device, cfg.trust_remote_code)
     check_compatible(index, setup)
     keep_compute_casts(setup.model, setup.policy)  # from here on the model only collects gradients
-    queries = load_queries(cfg.queries, int(index.meta["data"]["max_length"]), setup.tokenizer)
+    queries, grads = checked_query_gradients(cfg, setup, int(index.meta["data"]["max_length"]))
+    return setup, queries, grads
+
+
+def checked_query_gradients(
+    cfg: ScoreConfig, setup: GradientSetup, max_length: int
+) -> tuple[Queries, torch.Tensor]:
+    """(queries, [Q, D] fp32 gradients); a query whose gradient is all zero is refused (one line)."""
+    queries = load_queries(cfg.queries, max_length, setup.tokenizer)
     grads = query_gradients(setup, queries.examples, cfg.token_batch_size, objective_of(cfg, setup))
     zero = silent_queries(grads.numpy())
     if len(zero):
@@ -151,7 +180,7 @@ def prepare_queries(cfg: ScoreConfig, index: GradientIndex) -> tuple[GradientSet
                 "where it fires (`assay report` on the SAE run shows its top contexts)"
             )
         raise AssayError(f"query {first!r} has an all-zero gradient; it cannot be attributed")
-    return setup, queries, grads
+    return queries, grads
 
 
 def run_score(cfg: ScoreConfig) -> dict[str, Any]:
@@ -162,6 +191,10 @@ def run_score(cfg: ScoreConfig) -> dict[str, Any]:
         print_table(records, query_texts, texts, cfg.show)
         say(f"results in {cfg.out}/ (top.jsonl, queries.jsonl{', scores.npy' if cfg.save_scores else ''})")
         return summary
+    if cfg.corpus.model is not None:
+        from assay.commands.score_stream import stream_run  # it builds on this module
+
+        return stream_run(cfg)
     assert cfg.index is not None
     index = open_index(cfg.index)
     setup, queries, grads = prepare_queries(cfg, index)  # user errors surface before OUT.part exists
@@ -186,6 +219,8 @@ def run_score(cfg: ScoreConfig) -> dict[str, Any]:
             run.path / "queries.jsonl", [{"query": q, "text": t} for q, t in zip(queries.ids, queries.texts)]
         )
         texts = write_train_texts(run.path / TEXTS_FILE, index, records, cfg.show)
+        if cfg.granularity == "token":
+            index_tokens(run.path, cfg, setup, index, grads, whitening, records[:REPORT_RECORDS])
         if cfg.query_sae is not None:
             write_json(run.path / LATENT_FILE, latent_record(cfg, setup, queries))
         summary = {

@@ -2,7 +2,9 @@
 
 Reads top.jsonl, queries.jsonl, summary.json and texts.jsonl (the training examples' texts and
 losses, written by `assay score`); a latent-attribution run (`--query_sae/--latent`) also
-latent.json (where the latent fires in each query). Only files of the run folder are read.
+latent.json (where the latent fires in each query), and a `--granularity token` run tokens.jsonl
+(each top proponent's score split over its tokens: a heat map over its text). Only files of the
+run folder are read.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from assay.report.sae import context_html
 
 MAX_QUERIES = 100  # cards on the page; the rest are counted
 TEXTS_FILE = "texts.jsonl"
+TOKENS_FILE = "tokens.jsonl"
+SUPPORTS, OPPOSES = "22,163,74", "220,38,38"  # green: a token's share raises the score; red: lowers it
 
 
 def train_examples(run: Run) -> tuple[dict[int, str], dict[int, float]]:
@@ -64,6 +68,7 @@ def query_card(
     losses: dict,
     labels: tuple[str, str],
     extra_html: str = "",
+    after_html: str = "",
 ) -> str:
     pros, opps = record.get("proponents", []), record.get("opponents", [])
     scale = max([abs(float(v)) for _, v in pros + opps] or [1.0])
@@ -85,8 +90,40 @@ def query_card(
         f'<div class="card searchable"><h4>{h.esc(head)}</h4>{text_html}'
         f"<h4>{h.esc(labels[0])}</h4>{ranked_table(pros, texts, losses, scale)}"
         + (h.details(h.esc(labels[1]), ranked_table(opps, texts, losses, scale), cls="block") if opps else "")
+        + after_html
         + "</div>"
     )
+
+
+def token_heat(record: dict[str, Any]) -> str:
+    """One proponent's tokens shaded by their share of its score (green raises it, red lowers it;
+    the value on hover), from a tokens.jsonl record."""
+    shares = np.asarray(record.get("scores", []), dtype=np.float64)
+    tokens = [str(t) for t in record.get("tokens", [])]
+    scale = float(np.abs(shares).max()) if len(shares) else 0.0
+    parts = []
+    for tok, share in zip(tokens, shares):
+        alpha = 0.0 if scale <= 0 else min(abs(share) / scale, 1.0) * 0.85
+        color = SUPPORTS if share > 0 else OPPOSES
+        style = f"background:rgba({color},{alpha:.2f})"
+        parts.append(f'<span class="tok" style="{style}" title="{share:+.4f}">{h.esc(tok)}</span>')
+    head = (
+        f"train id {h.esc(record.get('id'))}: score {float(record.get('score', 0.0)):.4f}, "
+        f"the sum of its tokens' shares {float(record.get('sum', 0.0)):.4f}"
+    )
+    return f'<p class="muted">{head}</p><div class="ctx">{"".join(parts)}</div>'
+
+
+def token_heat_maps(run: Run) -> dict[str, str]:
+    """{query: HTML of its top proponents' per-token heat maps}, from tokens.jsonl ({} without it)."""
+    grouped: dict[str, list[dict[str, Any]]] = {}
+    for record in run.jsonl(TOKENS_FILE):
+        grouped.setdefault(str(record.get("query")), []).append(record)
+    title = "Which tokens drive the score (the top proponents' scores split over their tokens)"
+    return {
+        q: h.details(h.esc(title), "".join(token_heat(r) for r in rs), cls="block")
+        for q, rs in grouped.items()
+    }
 
 
 def latent_subtitle(run: Run) -> str | None:
@@ -172,9 +209,16 @@ def score_view(run: Run, opts: ViewOptions) -> h.Section:
     for r in shown:  # an aggregate column lists the texts of the queries it averages
         if r.get("queries") is not None:
             r["query_texts"] = [queries.get(str(q), str(q)) for q in r["queries"]]
+    heat = token_heat_maps(run)
     cards = [
         query_card(
-            r, queries.get(str(r.get("query"))), texts, losses, labels, fires.get(str(r.get("query")), "")
+            r,
+            queries.get(str(r.get("query"))),
+            texts,
+            losses,
+            labels,
+            fires.get(str(r.get("query")), ""),
+            heat.get(str(r.get("query")), ""),
         )
         for r in shown
     ]
