@@ -1,15 +1,17 @@
-"""Crash test: `kill -9` at random points of `assay build` and `assay finetune`, then the same
-command again until it finishes; the outputs must be identical to an uninterrupted run's.
+"""Crash test: `kill -9` at random points of `assay build`, `assay score`, `assay finetune` and
+`assay sae train`, then the same command again until it finishes; the outputs must be identical
+to an uninterrupted run's.
 
-    .venv/bin/python bench/bench_crash.py --points 20            # both commands, 20 kills each
+    .venv/bin/python bench/bench_crash.py --points 20            # every command, 20 kills each
     .venv/bin/python bench/bench_crash.py --commands build --points 5 --seed 1
 
 Each point runs the command as its own process (`python -m assay ...`), kills it with SIGKILL
 after a delay drawn uniformly from (0, T) where T is the uninterrupted process's wall time (so
 kills land in start-up, data loading, the normalizer, the rows, the statistics, the commit...),
-then reruns it to completion. Compared: every file of the index (its checksums.json records
-the sha256 of each), or the fine-tuned weights, optimizer moments and visit order, byte for
-byte. tests/test_crash.py runs a short version (a few points each) in the suite.
+then reruns it to completion. Compared byte for byte: every file of the index (its
+checksums.json records the sha256 of each); the scores and top-k records of a score run; the
+fine-tuned weights, optimizer moments and visit order; the SAE's weights and config.
+tests/test_crash.py runs a short version (a few points each) in the suite.
 
 Prints the CPU model; timings are of this machine at this moment (noisy on a shared one).
 """
@@ -65,6 +67,26 @@ def finetune_args(out: Path, model: str, data: Path) -> list[str]:
     ]  # fmt: skip
 
 
+def score_args(out: Path, model: str, data: Path) -> list[str]:
+    """Every training row scored against four queries (the index is built once beforehand by
+    `prepare`); score runs keep no partial work, so a killed one starts over."""
+    return [
+        "score", str(out), "--index", str(data.with_name("index")), "--query_dataset", str(data),
+        "--query_max_samples", "4", "--save_scores",
+    ]  # fmt: skip
+
+
+def sae_args(out: Path, model: str, data: Path) -> list[str]:
+    """A short TopK SAE on block 0's output that checkpoints every 2 steps."""
+    return [
+        "sae", "train", str(out), "--model", model, "--dataset", str(data), "--precision", "fp32",
+        "--threads", "1", "--hookpoint", "model.layers.0", "--expansion_factor", "2", "--k", "4",
+        "--training_tokens", "2048", "--batch_tokens", "128", "--context_length", "16",
+        "--lm_batch_contexts", "4", "--buffer_batches", "2", "--checkpoint_every", "2",
+        "--metrics_every", "1", "--eval_contexts", "2",
+    ]  # fmt: skip
+
+
 def build_outputs(out: Path) -> dict[str, str]:
     """The index's files by sha256 (those its checksums.json lists, recomputed here); index.json
     without the output folder's own name."""
@@ -84,6 +106,25 @@ def finetune_outputs(out: Path) -> dict[str, str]:
     summary = json.loads((out / "summary.json").read_text())
     found["losses"] = json.dumps({k: summary[k] for k in ("train_loss", "eval_loss", "pool_loss")})
     return found
+
+
+def score_outputs(out: Path) -> dict[str, str]:
+    """Every score and the top-k records (with their texts) of a score run."""
+    return {name: _sha256(out / name) for name in ("scores.npy", "top.jsonl", "queries.jsonl")}
+
+
+def sae_outputs(out: Path) -> dict[str, str]:
+    """The SAE's weights and its SAELens config."""
+    return {name: _sha256(out / name) for name in ("sae_weights.safetensors", "cfg.json")}
+
+
+COMMANDS: dict[str, tuple[Callable[[Path, str, Path], list[str]], Callable[[Path], dict[str, str]], int]] = {
+    # command: (its arguments, its outputs, texts in its dataset)
+    "build": (build_args, build_outputs, 48),
+    "score": (score_args, score_outputs, 48),
+    "finetune": (finetune_args, finetune_outputs, 24),
+    "sae": (sae_args, sae_outputs, 96),
+}
 
 
 def _sha256(path: Path) -> str:
@@ -159,9 +200,12 @@ def crash_points(
     """Kill `command` at `points` random moments; return one record per point (raises on any
     output that differs from the uninterrupted run's)."""
     env = {**os.environ, **(env or {})}
-    data = write_texts(root / "data.jsonl", 48 if command == "build" else 24)
-    make_args: Callable[[Path, str, Path], list[str]] = build_args if command == "build" else finetune_args
-    outputs = build_outputs if command == "build" else finetune_outputs
+    make_args, outputs, count = COMMANDS[command]
+    data = write_texts(root / "data.jsonl", count)
+    if command == "score":  # the index it reads
+        done = run(build_args(root / "index", model, data), env)
+        if done.returncode != 0:
+            raise RuntimeError(f"building the index to score failed: {done.stderr[-2000:]}")
     began, finished = timed_reference(make_args(root / "ref", model, data), root / "ref", env)
     reference = outputs(root / "ref")
     rng = np.random.default_rng(seed)
@@ -170,7 +214,9 @@ def crash_points(
         out = root / f"cut{k}"
         # most of the process's first seconds are imports: kill within the run itself, from just
         # before OUT.part appears to just after OUT is finished, where state is on disk
-        delay = float(rng.uniform(max(began - 0.2, 0.0), finished + 0.05))
+        # (a score run computes its query gradients before OUT.part appears: kill it there too)
+        low = began / 2 if command == "score" else began - 0.2
+        delay = float(rng.uniform(max(low, 0.0), finished + 0.05))
         record = killed_then_resumed(make_args(out, model, data), out, delay, env)
         got = outputs(out)
         differ = [name for name in reference if got.get(name) != reference[name]]
@@ -193,7 +239,7 @@ def cpu_model() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--commands", nargs="+", default=["build", "finetune"], choices=["build", "finetune"])
+    parser.add_argument("--commands", nargs="+", default=list(COMMANDS), choices=list(COMMANDS))
     parser.add_argument("--points", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", default="assay-tiny")

@@ -242,6 +242,10 @@ def test_train_then_eval_command_on_the_saved_folder(tiny_model_dir, corpus, tmp
     for key in ("ce_clean", "ce_spliced", "ce_zero", "kl", "fvu", "l0"):  # same held-out contexts
         assert saved[key] == pytest.approx(summary[f"eval/{key}"], rel=1e-4, abs=1e-6), key
     assert "ce_loss_score" in capsys.readouterr().out
+    again = ["sae", "eval", str(tmp_path / "run"), "--model", str(tiny_model_dir), "--dataset", str(corpus)]
+    assert main(again) == 2  # an earlier evaluation is a result: not silently replaced
+    assert "--overwrite" in capsys.readouterr().err
+    assert json.loads((tmp_path / "run" / "eval.json").read_text()) == saved
 
 
 def test_transcoder_trains_from_an_mlp_input_to_its_output_and_splices_its_prediction(

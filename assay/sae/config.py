@@ -314,6 +314,8 @@ class SaeEvalConfig:
     """Held-out contexts to evaluate on."""
     out: str | None = None
     """Write eval.json here (default: SAE_DIR/eval.json)."""
+    overwrite: bool = False
+    """Replace an eval.json that is already there (otherwise refused: pass --out for another file)."""
     ground_truth: str | None = None
     """Score against known features instead of splicing into a model: a ground-truth file
     (safetensors: feature_vectors, eval_acts, eval_fires; bench/bench_sae_synthetic.py writes

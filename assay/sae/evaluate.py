@@ -131,13 +131,24 @@ def splice_metrics(
     return {**out, **stats.result()}
 
 
+def metrics_path(cfg: SaeEvalConfig) -> Path:
+    """Where eval.json goes; an existing one is refused before any work unless --overwrite (the
+    metrics of an earlier evaluation are results too)."""
+    out = Path(cfg.out) if cfg.out else Path(cfg.sae_dir) / "eval.json"
+    if out.exists() and not cfg.overwrite:
+        raise AssayError(
+            f"{out} exists (an earlier evaluation); pass --overwrite to replace it or --out FILE"
+        )
+    return out
+
+
 def evaluate_sae(cfg: SaeEvalConfig) -> dict[str, Any]:
     """Load an SAE folder, splice it into the model (or score it against a ground-truth file),
     save the metrics (eval.json) and return them with what was measured (`"about"`)."""
     sae, meta = load_sae(cfg.sae_dir)
+    out = metrics_path(cfg)
     if cfg.ground_truth:
         metrics = ground_truth_metrics(sae, load_ground_truth(cfg.ground_truth))
-        out = Path(cfg.out) if cfg.out else Path(cfg.sae_dir) / "eval.json"
         write_json(out, {"sae": str(cfg.sae_dir), "ground_truth": cfg.ground_truth, **metrics})
         return {"about": f"SAE {cfg.sae_dir} against the features of {cfg.ground_truth}", **metrics}
     hookpoint = cfg.hookpoint or meta.get("hook_name")
@@ -161,7 +172,6 @@ def evaluate_sae(cfg: SaeEvalConfig) -> dict[str, Any]:
         model, sae.to(device), hookpoint, contexts, lm_region=policy.autocast(), hookpoint_out=hookpoint_out
     )
     metrics.update(eval_tokens=int(contexts.size), context_length=context_length)
-    out = Path(cfg.out) if cfg.out else Path(cfg.sae_dir) / "eval.json"
     write_json(out, {"sae": str(cfg.sae_dir), "model": cfg.model.model, "hookpoint": hookpoint, **metrics})
     about = (
         f"SAE {cfg.sae_dir} at {hookpoint} on {cfg.data.dataset}:{cfg.data.split} ({contexts.size:,} tokens)"
