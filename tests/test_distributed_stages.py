@@ -66,3 +66,25 @@ def test_coreset_two_processes_equal_one(tmp_path, tiny_model_dir, many_jsonl):
         for key in ("eval_loss", "pool_loss"):
             assert r2[row][key] == pytest.approx(entry[key], rel=1e-5)
     assert (tmp_path / "two" / "run.json").exists() and (tmp_path / "two" / "results.md").exists()
+
+
+def test_validate_ground_truth_two_processes_equal_one(tmp_path, tiny_model_dir, many_jsonl):
+    """`assay validate` under torchrun: the full run and the subsets are shared out over the
+    ranks, each trained by one process alone, so the ground truth (masks and every query's loss)
+    is the one a single process measures, and so are the methods' LDS."""
+    from assay.cli import main
+
+    args = ["--model", str(tiny_model_dir), "--dataset", str(many_jsonl), "--precision", "fp32"]
+    args += ["--attention", "eager", "--threads", "1", "--max_length", "32", "--num_subsets", "3"]
+    args += ["--query_dataset", str(many_jsonl), "--query_split", "train", "--query_max_samples", "2"]
+    args += ["--num_epochs", "1", "--effective_batch_size", "4", "--micro_batch_size", "2"]
+    args += ["--methods", "inner", "--projection_dim", "4"]
+    assert main(["validate", str(tmp_path / "one"), *args]) == 0
+    ok(torchrun("-m", "assay", "validate", str(tmp_path / "two"), *args))
+    one, two = tmp_path / "one" / "ground_truth", tmp_path / "two" / "ground_truth"
+    np.testing.assert_array_equal(np.load(two / "masks.npy"), np.load(one / "masks.npy"))
+    np.testing.assert_allclose(np.load(two / "outputs.npy"), np.load(one / "outputs.npy"), rtol=1e-6)
+    l1, l2 = (json.loads((tmp_path / r / "lds.json").read_text())["results"] for r in ("one", "two"))
+    assert set(l1) == set(l2) == {"inner-fp32"}
+    assert l2["inner-fp32"]["mean"] == pytest.approx(l1["inner-fp32"]["mean"], abs=1e-9)
+    assert (tmp_path / "two" / "run.json").exists()
