@@ -257,7 +257,7 @@ def build_index(cfg: BuildConfig) -> dict[str, Any]:
             model, tokenizer, policy, modules, projector, normalizer, tokenizer.pad_token_id, fingerprint
         )
         col = setup.collector()
-        meta = _metadata(cfg, setup, col, examples, tokenizer)
+        meta = index_metadata(cfg, setup, col, len(examples), tokenizer)
         keep_compute_casts(model, policy)  # from here on the model only collects gradients
         if dist.is_main:
             write_json(run.path / ix.META_FILE, meta)
@@ -271,14 +271,17 @@ def build_index(cfg: BuildConfig) -> dict[str, Any]:
     return {**meta, **summary}
 
 
-def _metadata(cfg: BuildConfig, setup: GradientSetup, col: GradientCollector, examples: Examples, tok: Any):
+def index_metadata(
+    cfg: BuildConfig, setup: GradientSetup, col: GradientCollector, num_examples: int, tok: Any
+) -> dict[str, Any]:
+    """index.json of an index of `num_examples` rows computed with `setup` (see docs/index-format.md)."""
     lora = None
     if cfg.model.lora_rank > 0 or (Path(cfg.model.model) / "adapter_config.json").exists():
         lora = {"rank": cfg.model.lora_rank, "alpha": cfg.model.lora_alpha, "adapter": cfg.model.model}
     return {
         "format": "assay-gradient-index",
         "format_version": ix.FORMAT_VERSION,
-        "num_examples": len(examples),
+        "num_examples": num_examples,
         "dim": col.dim,
         "modules": [
             {"name": s.name, "start": s.start, "stop": s.stop, "shape": list(s.shape)} for s in col.slots

@@ -133,6 +133,20 @@ class GradientCollector:
         self._requires_grad = {n: p.requires_grad for n, p in self.model.named_parameters()}
         for p in self.model.parameters():
             p.requires_grad_(False)  # no weight-gradient GEMMs, no .grad
+        self.attach()
+        self._lean.enter_context(recompute_elementwise(self.model))
+        self._lean.enter_context(grouped_query_attention(self._device))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._lean.close()
+        self.detach()
+        for n, p in self.model.named_parameters():
+            p.requires_grad_(self._requires_grad.get(n, p.requires_grad))
+
+    def attach(self) -> None:
+        """Prepare each module's projection sides and hook the modules (nothing else changes: a
+        training loop's own backward runs the hooks too, see live.py)."""
         for slot in self.slots:
             if self._uses_full(slot.name):
                 self._inv_sqrt_v[slot.name] = self.normalizer.full(slot.name).to(self._device)
@@ -140,17 +154,12 @@ class GradientCollector:
             self._prepare_side(slot, "out", slot.out_features)
             hook = partial(self._forward_hook, slot)
             self._handles.append(self.modules[slot.name].register_forward_hook(hook))
-        self._lean.enter_context(recompute_elementwise(self.model))
-        self._lean.enter_context(grouped_query_attention(self._device))
-        return self
 
-    def __exit__(self, *exc: object) -> None:
-        self._lean.close()
+    def detach(self) -> None:
+        """Remove the hooks and what they kept."""
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        for n, p in self.model.named_parameters():
-            p.requires_grad_(self._requires_grad.get(n, p.requires_grad))
         self._saved.clear()
         self._group_mats.clear()
 

@@ -185,6 +185,27 @@ def load_optimizer_state(
     return Normalizer(kind, tensors)
 
 
+def live_optimizer_state(
+    optimizer: Any, kind: Literal["adafactor", "adam"], modules: dict[str, nn.Module]
+) -> Normalizer:
+    """Second moments of a live torch optimizer (Adam(W) or Adafactor; an Accelerate-wrapped one
+    too), read now, bias-corrected as `load_optimizer_state` corrects a saved one."""
+    inner = getattr(optimizer, "optimizer", optimizer)  # Accelerate wraps the torch optimizer
+    betas = {id(p): g.get("betas", (0.9, 0.999))[1] for g in inner.param_groups for p in g["params"]}
+    tensors: dict[str, torch.Tensor] = {}
+    for name, m in modules.items():
+        weight = m.weight
+        state = inner.state.get(weight)
+        if not state:
+            raise AssayError(
+                f"the optimizer holds no second moments for {name}.weight yet: collect after its first step"
+            )
+        held = {k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in state.items()}
+        held["__beta2__"] = betas.get(id(weight), 0.999)
+        tensors.update(_tensors_from_state(kind, name, m, held, "the optimizer"))
+    return Normalizer(kind, tensors)
+
+
 def _load_assay_state(path: Path, kind: str, modules: dict[str, nn.Module]) -> Normalizer:
     """`assay finetune`'s export: "NAME.exp_avg_sq" per parameter name, metadata step and beta2."""
     if not path.exists():

@@ -1,0 +1,136 @@
+"""Benchmark `assay.integrations.GradientCallback`: the same Trainer run with and without it.
+
+The callback collects at every step but the first (the first has no Adam second moments yet), so
+each of those steps pays the whole price: the model copy at the step's start, the hooks during its
+forwards and backwards, the index written before the optimizer step. Each part is timed apart
+(medians over the steps, after a warm-up step), next to the same steps of a run without it:
+
+    forward+backward   the step's micro-batches, hooks included (the issue's goal: <= 15% more)
+    copy               saving the model and tokenizer into the index (a collection's fixed cost)
+    write              the rows, checksums and texts of the index
+
+    .venv/bin/python bench/bench_callback.py --model smollm2-135m --steps 8 --batch_size 8 --seq_len 256
+    .venv/bin/python bench/bench_callback.py --steps 4 --batch_size 2 --seq_len 32   # assay-tiny: a smoke run
+
+Runs alternate (without, with) `--repeats` times; the texts are random words, every token a target.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+from assay.core.config import ModelConfig
+from assay.core.precision import PrecisionPolicy
+from assay.integrations import GradientCallback, LiveConfig
+from assay.lm.models import load_model, load_tokenizer
+
+
+class Clock(TrainerCallback):
+    """Times the events it sees: placed before and after the GradientCallback, two of them split
+    each step into copy, forward+backward and write."""
+
+    def __init__(self) -> None:
+        self.marks: dict[str, list[float]] = {}
+
+    def _mark(self, name: str) -> None:
+        self.marks.setdefault(name, []).append(time.perf_counter())
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._mark("begin")
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._mark("pre_optimizer")
+
+
+def dataset(tokenizer: Any, count: int, seq_len: int) -> list[dict[str, list[int]]]:
+    words = "the king queen folk tune jig reel air of to and a in my love".split()
+    rng = np.random.default_rng(0)
+    rows = []
+    for _ in range(count):
+        ids = tokenizer(" ".join(rng.choice(words, seq_len)))["input_ids"][:seq_len]
+        rows.append({"input_ids": ids})
+    return rows
+
+
+def collate(rows: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
+    width = max(len(r["input_ids"]) for r in rows)
+    ids = torch.zeros((len(rows), width), dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r["input_ids"])] = torch.tensor(r["input_ids"])
+        mask[i, : len(r["input_ids"])] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def one_run(opts: argparse.Namespace, tokenizer: Any, with_callback: bool, root: Path) -> dict[str, float]:
+    """Median seconds per step of each part (steps 2.. of the run: step 1 warms up)."""
+    model = load_model(ModelConfig(model=opts.model), PrecisionPolicy.resolve("fp32", opts.device)).train()
+    args = TrainingArguments(
+        output_dir=str(root / "trainer"), per_device_train_batch_size=opts.batch_size, max_steps=opts.steps,
+        learning_rate=1e-4, report_to=[], use_cpu=opts.device == "cpu", seed=0, save_strategy="no",
+        logging_steps=10**6, disable_tqdm=True,
+    )  # fmt: skip
+    before, after = Clock(), Clock()
+    callbacks: list[Any] = [before]
+    if with_callback:
+        config = LiveConfig(projection_dim=opts.projection_dim, overwrite=True)
+        callbacks.append(GradientCallback(root / "grads", steps=range(1, opts.steps), config=config))
+    callbacks.append(after)
+    data = dataset(tokenizer, opts.batch_size * opts.steps, opts.seq_len)
+    Trainer(
+        model=model, args=args, train_dataset=data, data_collator=collate, processing_class=tokenizer,
+        callbacks=callbacks,
+    ).train()  # fmt: skip
+    steps = range(2, opts.steps)  # step 0 differs (no optimizer state), step 1 warms up
+    begin, started = before.marks["begin"], after.marks["begin"]
+    backward, written = before.marks["pre_optimizer"], after.marks["pre_optimizer"]
+    return {
+        "copy": statistics.median(started[s] - begin[s] for s in steps),
+        "forward+backward": statistics.median(backward[s] - started[s] for s in steps),
+        "write": statistics.median(written[s] - backward[s] for s in steps),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--model", default="assay-tiny", help="a model name or folder (default: the bundled one)"
+    )
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--batch_size", type=int, default=4)
+    parser.add_argument("--seq_len", type=int, default=128)
+    parser.add_argument("--projection_dim", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--device", default="cpu")
+    opts = parser.parse_args()
+    if opts.steps < 4:
+        parser.error(
+            "--steps must be at least 4 (a first step without optimizer state, a warm-up, then timed steps)"
+        )
+    tokenizer = load_tokenizer(ModelConfig(model=opts.model))
+    runs: dict[str, list[dict[str, float]]] = {"without": [], "with": []}
+    for _ in range(opts.repeats):
+        for name in ("without", "with"):
+            with tempfile.TemporaryDirectory() as tmp:
+                runs[name].append(one_run(opts, tokenizer, name == "with", Path(tmp)))
+    result: dict[str, Any] = {"settings": vars(opts)}
+    for name, parts in runs.items():
+        result[name] = {k: statistics.median(p[k] for p in parts) for k in parts[0]}
+    base = result["without"]["forward+backward"]
+    result["hook_overhead"] = result["with"]["forward+backward"] / base - 1
+    result["collection_overhead"] = sum(result["with"].values()) / sum(result["without"].values()) - 1
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

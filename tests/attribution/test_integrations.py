@@ -1,0 +1,141 @@
+"""Gradients collected inside a real (tiny) Hugging Face Trainer run and a plain loop: the rows of a
+step equal what `assay build` computes for that step's weights and examples, with the optimizer
+state the Trainer saved in its checkpoint as the normalizer."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import assay
+from assay.attribution.index import NORMALIZER_FILE, load_safetensors
+from assay.cli import main
+from assay.core.errors import AssayError
+from assay.integrations import GradientCallback, LiveConfig, record_gradients
+from tests.helpers import tiny_llama
+
+WORDS = "the king queen folk tune jig reel air of to and a in my love".split()
+FLAGS = ["--precision", "fp32", "--projection_dim", "4", "--token_batch_size", "64"]
+
+
+def _texts(count: int = 24) -> list[str]:
+    rng = np.random.default_rng(0)
+    return [" ".join(rng.choice(WORDS, rng.integers(3, 14))) for _ in range(count)]
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    """As `assay build` tokenizes a text: the tokenizer's ids, then the end-of-sequence token."""
+    return [*tokenizer(text)["input_ids"], tokenizer.eos_token_id]
+
+
+def _collator(pad_id: int):
+    """Right padding; every real token is a target (as in an index), padding is not."""
+
+    def collate(rows: list[dict]) -> dict[str, torch.Tensor]:
+        width = max(len(r["input_ids"]) for r in rows)
+        ids = torch.full((len(rows), width), pad_id)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, : len(r["input_ids"])] = torch.tensor(r["input_ids"])
+            mask[i, : len(r["input_ids"])] = 1
+        return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+    return collate
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, tiny_tokenizer):
+    """A 4-step Trainer run (2 micro-batches of 3 per step, AdamW, checkpoints every 2 steps) with the
+    callback on its checkpoints' steps: (root, callback)."""
+    from transformers import Trainer, TrainingArguments
+
+    root = tmp_path_factory.mktemp("trainer")
+    data = [{"input_ids": _encode(tiny_tokenizer, t)} for t in _texts()]
+    args = TrainingArguments(
+        output_dir=str(root / "trainer"), per_device_train_batch_size=3, gradient_accumulation_steps=2,
+        max_steps=4, save_steps=2, learning_rate=1e-2, report_to=[], use_cpu=True, seed=0,
+        logging_steps=100, disable_tqdm=True,
+    )  # fmt: skip
+    callback = GradientCallback(root / "grads", config=LiveConfig(projection_dim=4, max_length=64))
+    trainer = Trainer(
+        model=tiny_llama(vocab_size=len(tiny_tokenizer)), args=args, train_dataset=data,
+        data_collator=_collator(tiny_tokenizer.pad_token_id), processing_class=tiny_tokenizer,
+        callbacks=[callback],
+    )  # fmt: skip
+    trainer.train()
+    return root, callback
+
+
+def test_trainer_rows_equal_assay_build_at_the_checkpoint(trained, tiny_tokenizer):
+    root, callback = trained
+    step = root / "grads" / "step-2"
+    assert callback.written == [step]  # checkpoint-4 ends the run: no step follows it
+    index = assay.open_index(step, verify="full")
+    assert len(index) == 6  # both micro-batches of the step
+    texts = [json.loads(line)["text"] for line in (step / "examples.jsonl").read_text().splitlines()]
+    assert set(texts) <= set(_texts())
+    checkpoint = root / "trainer" / "checkpoint-2"
+    ref = root / "ref"
+    args = ["build", str(ref), "--model", str(checkpoint), "--dataset", str(step / "examples.jsonl")]
+    args += ["--normalizer", "adam", "--optimizer_state", str(checkpoint / "optimizer.pt"), *FLAGS]
+    assert main([*args, "--max_length", "64"]) == 0
+    built = assay.open_index(ref)
+    assert built.meta["model"]["fingerprint"] == index.meta["model"]["fingerprint"]  # the copy is θ_2
+    for name, tensor in load_safetensors(ref / NORMALIZER_FILE).items():  # live vs the saved optimizer.pt
+        torch.testing.assert_close(load_safetensors(step / NORMALIZER_FILE)[name], tensor, rtol=0, atol=0)
+    rows, want = np.asarray(index.gradients), np.asarray(built.gradients)
+    np.testing.assert_allclose(rows, want, rtol=2e-4, atol=2e-5 * np.abs(want).max())
+    np.testing.assert_allclose(index.losses, built.losses, rtol=1e-5)
+    np.testing.assert_array_equal(index.token_counts, built.token_counts)
+
+
+def test_an_index_written_during_training_is_scored(trained, tmp_path):
+    root, _ = trained
+    out = tmp_path / "s"
+    query = ["--query_text", "the king and a folk tune"]
+    assert main(["score", str(out), "--index", str(root / "grads" / "step-2"), *query, "--top_k", "3"]) == 0
+    top = json.loads((out / "top.jsonl").read_text().splitlines()[0])
+    texts = [json.loads(line) for line in (out / "texts.jsonl").read_text().splitlines()]
+    assert len(top["proponents"]) == 3 and all(t["text"] for t in texts)
+
+
+def test_a_plain_loop_step_equals_assay_build(tmp_path, tiny_tokenizer):
+    model = tiny_llama(vocab_size=len(tiny_tokenizer))
+    model.save_pretrained(tmp_path / "m")
+    tiny_tokenizer.save_pretrained(tmp_path / "m")
+    batch = _collator(tiny_tokenizer.pad_token_id)(
+        [{"input_ids": _encode(tiny_tokenizer, t)} for t in _texts(5)]
+    )
+    model.train()
+    with record_gradients(
+        tmp_path / "g", model, tiny_tokenizer, config=LiveConfig(projection_dim=4, normalizer="none")
+    ):
+        # a mean over the batch's tokens, scaled as a loop may scale it (accumulation, a loss scaler):
+        # rescaled to each example's summed loss
+        (model(**batch).loss * 0.25).backward()
+    data = tmp_path / "g" / "examples.jsonl"
+    assert (
+        main(["build", str(tmp_path / "ref"), "--model", str(tmp_path / "m"), "--dataset", str(data), *FLAGS])
+        == 0
+    )
+    rows, want = (np.asarray(assay.open_index(tmp_path / p).gradients) for p in ("g", "ref"))
+    np.testing.assert_allclose(rows, want, rtol=2e-4, atol=2e-5 * np.abs(want).max())
+
+
+def test_misuse_is_one_line(tmp_path, tiny_tokenizer):
+    model = tiny_llama(vocab_size=len(tiny_tokenizer)).train()
+    ids = torch.tensor([_encode(tiny_tokenizer, "the king")])
+    with pytest.raises(AssayError, match="labels="):
+        with record_gradients(tmp_path / "a", model, tiny_tokenizer, config=LiveConfig(normalizer="none")):
+            model(input_ids=ids).logits.sum().backward()
+    with pytest.raises(AssayError, match="not followed by the backward"):
+        with record_gradients(tmp_path / "b", model, tiny_tokenizer, config=LiveConfig(normalizer="none")):
+            model(input_ids=ids, labels=ids)
+            model(input_ids=ids, labels=ids)
+    with pytest.raises(AssayError, match="no second moments"):
+        with record_gradients(tmp_path / "c", model, tiny_tokenizer, torch.optim.AdamW(model.parameters())):
+            pass
+    assert not any(p.name.endswith(".part") for p in tmp_path.iterdir())  # nothing half-written is left
