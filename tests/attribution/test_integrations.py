@@ -21,6 +21,18 @@ WORDS = "the king queen folk tune jig reel air of to and a in my love".split()
 FLAGS = ["--precision", "fp32", "--projection_dim", "4", "--token_batch_size", "64"]
 
 
+def make_llama(vocab_size: int):
+    """A 2-layer random Llama (built here: the Trainer trains it)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    )  # fmt: skip
+    return LlamaForCausalLM(cfg)
+
+
 def _texts(count: int = 24) -> list[str]:
     rng = np.random.default_rng(0)
     return [" ".join(rng.choice(WORDS, rng.integers(3, 14))) for _ in range(count)]
