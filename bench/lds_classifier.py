@@ -10,7 +10,7 @@ scores and measured outputs (`assay.counterfactual.lds`), mean over queries with
 95% interval.
 
 Methods (add one by writing `def my_method(model, data, recipe) -> np.ndarray [Q, N]` and
-listing it in METHODS, e.g. assay's K-FAC / EK-FAC or kronfluence's EK-FAC):
+listing it in METHODS; a `damping` or `fisher` argument receives the flag's value):
 
 - `influence-hessian`: ∇L_qᵀ (H + δI)⁻¹ ∇ℓ_i with H the exact Hessian of the training objective
   over all parameters (torch.func, fp64); negative eigenvalues (the MLP is not convex) clamped
@@ -20,13 +20,28 @@ listing it in METHODS, e.g. assay's K-FAC / EK-FAC or kronfluence's EK-FAC):
   Hessian's near-zero curvature directions dominate its inverse and its LDS falls towards 0
   (try `--damping 1e-3`); the GGN is far less sensitive.
 - `influence-ggn`: the same with the Gauss-Newton matrix (PSD) instead of the Hessian.
+- `assay-kfac`, `assay-ekfac`: assay's Python API (`assay.attribution.kfac_influence`): K-FAC /
+  EK-FAC factors of the two linear layers' weights (assay does not attribute biases), δ =
+  damping × each module's mean eigenvalue, unprojected gradients.
+- `kronfluence-kfac`, `kronfluence-ekfac`: kronfluence (the reference EK-FAC) on the same model,
+  batches, labels (`--fisher`) and damping rule (its damping_factor=None heuristic, scaled to
+  `--damping`); it also attributes the biases. Only where kronfluence is installed (the peers'
+  venv, `make test-interop`); elsewhere they are skipped with a note.
+- `assay-kfac+b`, `assay-ekfac+b`: assay on the same function with each bias folded into its
+  weight (kronfluence's parameters), to show what the biases account for.
 - `inner`: ∇L_q · ∇ℓ_i.  `cosine`: the same between unit-normalised gradients.
+
+Every method is timed end to end from the trained model (factors included), best of
+`--repeats`; "peak MiB" is the growth of the process's resident memory while its first run
+ran, sampled every 5 ms after freed memory is handed back to the OS (approximate: a peak
+shorter than 5 ms can be missed, and for this tiny model it is mostly torch's workspace).
 
 The margin is log p_y - log(1 - p_y) = z_y - logsumexp_{k≠y} z_k; cross-entropy equals
 softplus(-margin), so per query the loss and margin columns must agree (a check, not news).
 
     .venv/bin/python bench/lds_classifier.py                      # defaults: M = 100, α = 0.5
     .venv/bin/python bench/lds_classifier.py --num_subsets 32 --methods inner cosine
+    PYTHONPATH=. .venv-peers/bin/python bench/lds_classifier.py   # with kronfluence's columns
 
 Figures printed by this script are provisional (timings on a shared machine are noisy).
 """
@@ -35,10 +50,15 @@ from __future__ import annotations
 
 import argparse
 import copy
-import functools
+import ctypes
+import gc
 import inspect
 import json
+import logging
+import os
 import platform
+import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -50,6 +70,23 @@ from torch import nn
 from torch.func import functional_call, grad, jacrev, vmap
 
 from assay.counterfactual.lds import LDSResult, linear_datamodel_score, sample_subsets
+
+sys.path.insert(0, str(Path(__file__).parent))
+try:
+    from machine import header, machine  # the benchmarks' shared record of CPU, ISA and load
+except ImportError:  # an older checkout without bench/machine.py: the CPU's name only
+    header, machine = None, None
+
+from lds_kfac import (  # noqa: E402
+    against_kronfluence,
+    assay_ekfac,
+    assay_ekfac_bias,
+    assay_kfac,
+    assay_kfac_bias,
+    kronfluence_ekfac,
+    kronfluence_kfac,
+    unavailable,
+)
 
 
 @dataclass(frozen=True)
@@ -237,28 +274,89 @@ def cosine(model: nn.Module, data: Data, recipe: Recipe) -> np.ndarray:
     return (gq @ gi.T).numpy()
 
 
-METHODS: dict[str, Callable[[nn.Module, Data, Recipe], np.ndarray]] = {
+METHODS: dict[str, Callable[..., np.ndarray]] = {
     "influence-hessian": influence_hessian,
     "influence-ggn": influence_ggn,
+    "assay-kfac": assay_kfac,
+    "assay-ekfac": assay_ekfac,
+    "assay-kfac+b": assay_kfac_bias,
+    "assay-ekfac+b": assay_ekfac_bias,
+    "kronfluence-kfac": kronfluence_kfac,
+    "kronfluence-ekfac": kronfluence_ekfac,
     "inner": inner,
     "cosine": cosine,
 }
-"""Columns of the table: add assay's K-FAC / EK-FAC and kronfluence's EK-FAC here."""
-
+"""Columns of the table, in order."""
 
 # ---------------------------------------------------------------------------------------------
 # The run
 
 
-def cpu_model() -> str:
-    """The CPU's model name, for the record (timings depend on it)."""
+def cpu_model() -> tuple[str, list[str]]:
+    """The CPU's model name and the ISA flags that decide torch's kernels (timings depend on both)."""
+    name, flags = platform.processor() or "unknown", []
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
+        return name, flags
+    for line in lines:
+        key, _, value = line.partition(":")
+        if key.strip() == "model name":
+            name = value.strip()
+        elif key.strip() == "flags":
+            flags = [f for f in value.split() if f.startswith(("amx", "avx512", "avx2", "fma"))]
+            break
+    return name, flags
+
+
+def machine_record() -> tuple[str, dict]:
+    """(header line, record for the JSON): bench/machine.py's when present, else /proc/cpuinfo's."""
+    if machine is not None and header is not None:
+        info = machine()
+        return header(info), info
+    name, flags = cpu_model()
+    threads = torch.get_num_threads()
+    line = f"CPU: {name}; ISA: {' '.join(flags)}; torch {torch.__version__}, {threads} thread(s)"
+    return line, {"cpu": name, "isa": flags, "torch": torch.__version__, "threads": threads}
+
+
+def release_free_memory() -> None:
+    """Hand memory the allocator keeps back to the OS (glibc), so the next method's growth is its own."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: the growth may read low after a big method
         pass
-    return platform.processor() or "unknown"
+
+
+def resident_bytes() -> int:
+    """The process's resident set size (Linux's /proc; 0 elsewhere)."""
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0
+
+
+class PeakMemory:
+    """Context manager: the growth of the resident set while it runs, sampled every 5 ms (MiB)."""
+
+    def __enter__(self) -> PeakMemory:
+        gc.collect()  # what earlier methods left is freed first, not counted as this one's
+        release_free_memory()
+        self.start = self.peak = resident_bytes()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, resident_bytes())
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, resident_bytes())
+        self.mib = (self.peak - self.start) / 2**20
 
 
 def cached_ground_truth(recipe: Recipe, masks: np.ndarray, data: Data, cache: Path | None):
@@ -299,12 +397,24 @@ def trained_model(recipe: Recipe, data: Data) -> nn.Module:
     return model
 
 
-def run_method(name: str, model: nn.Module, data: Data, recipe: Recipe, damping: float) -> np.ndarray:
-    """Scores [Q, N] of one method; methods that take a `damping` all get the same one."""
+def run_method(name: str, model: nn.Module, data: Data, recipe: Recipe, options: dict) -> np.ndarray:
+    """Scores [Q, N] of one method; it gets the `options` (damping, fisher) its signature names."""
     method = METHODS[name]
-    if "damping" in inspect.signature(method).parameters:
-        method = functools.partial(method, damping=damping)  # type: ignore[call-arg]
-    return method(model, data, recipe)
+    wanted = inspect.signature(method).parameters
+    return method(model, data, recipe, **{k: v for k, v in options.items() if k in wanted})
+
+
+def measure(name: str, model: nn.Module, data: Data, recipe: Recipe, args) -> tuple[np.ndarray, dict]:
+    """(scores, {seconds: best of the repeats, every repeat's, peak resident growth MiB of the first})."""
+    options = {"damping": args.damping, "fisher": args.fisher}
+    times, peaks = [], []
+    for _ in range(args.repeats):
+        with PeakMemory() as memory:
+            start = time.perf_counter()
+            scores = run_method(name, model, data, recipe, options)  # [Q, N], deterministic
+            times.append(time.perf_counter() - start)
+        peaks.append(memory.mib)
+    return scores, {"seconds": min(times), "seconds_each": times, "peak_rss_mib": peaks[0]}
 
 
 def parse_args() -> argparse.Namespace:
@@ -315,6 +425,13 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--subset_seed", type=int, default=0)
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     ap.add_argument("--damping", type=float, default=0.1, help="δ = damping × mean eigenvalue")
+    ap.add_argument(
+        "--fisher",
+        choices=["empirical", "sampled"],
+        default="empirical",
+        help="K-FAC factors' labels: the data's, or drawn from the model (kronfluence's default)",
+    )
+    ap.add_argument("--repeats", type=int, default=1, help="time each method this many times (best kept)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest for this tiny MLP)")
     ap.add_argument("--cache", type=Path, help="an .npz to keep the ground truth in between runs")
     ap.add_argument("--json", type=Path, help="write the results here")
@@ -324,30 +441,42 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
+    logging.getLogger("assay").setLevel(logging.WARNING)  # no progress bars: the table is the output
     recipe = Recipe()
-    print(f"CPU: {cpu_model()}; torch {torch.__version__}, {torch.get_num_threads()} thread(s)")
+    line, info = machine_record()
+    print(line)
     print("figures are provisional: timings on a shared machine are noisy")
     data = make_data(recipe)
     model = trained_model(recipe, data)
     masks = sample_subsets(recipe.n_train, args.num_subsets, args.alpha, args.subset_seed)
     losses, margins, truth_s = cached_ground_truth(recipe, masks, data, args.cache)
     print(f"ground truth: M = {args.num_subsets} subsets of α = {args.alpha}: {truth_s:.1f} s (0 = cached)")
+    print(f"damping {args.damping} × mean eigenvalue; K-FAC factors on the {args.fisher} Fisher")
 
-    rows = {}
-    print(f"{'method':<20} {'LDS (loss) [95% CI]':<26} {'LDS (margin)':<26} {'undefined':>9} {'time s':>7}")
+    rows, scores, skipped = {}, {}, {}
+    print(
+        f"{'method':<18} {'LDS (loss) [95% CI]':<26} {'LDS (margin)':<26} {'undef':>5} "
+        f"{'time s':>7} {'peak MiB':>8}"
+    )
     for name in args.methods:
-        start = time.perf_counter()
-        scores = run_method(name, model, data, recipe, args.damping)  # [Q, N]
-        seconds = time.perf_counter() - start
-        by_loss = linear_datamodel_score(scores, masks, losses)
-        by_margin = linear_datamodel_score(scores, masks, margins, higher_is_better=True)
-        rows[name] = {"loss": by_loss.to_dict(), "margin": by_margin.to_dict(), "seconds": seconds}
-        undefined = by_loss.num_undefined
-        print(f"{name:<20} {fmt(by_loss):<26} {fmt(by_margin):<26} {undefined:>9} {seconds:>7.2f}")
+        reason = unavailable(name)
+        if reason is not None:
+            skipped[name] = reason
+            print(f"{name:<18} skipped: {reason}")
+            continue
+        scores[name], timing = measure(name, model, data, recipe, args)
+        by_loss = linear_datamodel_score(scores[name], masks, losses)
+        by_margin = linear_datamodel_score(scores[name], masks, margins, higher_is_better=True)
+        rows[name] = {"loss": by_loss.to_dict(), "margin": by_margin.to_dict(), **timing}
+        print(
+            f"{name:<18} {fmt(by_loss):<26} {fmt(by_margin):<26} {by_loss.num_undefined:>5} "
+            f"{timing['seconds']:>7.2f} {timing['peak_rss_mib']:>8.1f}"
+        )
+    against_kronfluence(rows, scores)
     if args.json is not None:
         flags = {k: str(v) for k, v in vars(args).items()}
-        out = {"cpu": cpu_model(), "recipe": asdict(recipe), "args": flags, "truth_seconds": truth_s}
-        args.json.write_text(json.dumps({**out, "methods": rows}, indent=1))
+        out = {"machine": info, "recipe": asdict(recipe), "args": flags, "truth_seconds": truth_s}
+        args.json.write_text(json.dumps({**out, "methods": rows, "skipped": skipped}, indent=1))
 
 
 if __name__ == "__main__":
