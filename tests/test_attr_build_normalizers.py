@@ -18,7 +18,7 @@ from assay.attribution.projection import Projector
 from assay.core.precision import PrecisionPolicy
 from assay.lm.data import collate
 from assay.lm.losses import example_losses, token_losses
-from tests.test_collector import FP32, autograd_grads, random_examples, rel_err, tiny_gpt2, tiny_llama
+from tests.helpers import FP32, autograd_grads, random_examples, rel_err, tiny_gpt2, tiny_llama
 
 BF16 = PrecisionPolicy.resolve("bf16", "cpu")
 

@@ -15,7 +15,7 @@ from assay.core.paths import assets_dir
 from assay.core.precision import PrecisionPolicy
 from assay.lm.data import collate, load_examples, token_batches
 from assay.lm.losses import example_losses
-from tests.test_collector import random_examples, tiny_llama
+from tests.helpers import random_examples, tiny_llama
 
 BF16_MIN_COSINE = 0.99
 BF16 = PrecisionPolicy.resolve("bf16", "cpu")

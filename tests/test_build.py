@@ -15,7 +15,7 @@ from assay.cli import main
 from assay.core.config import DataConfig
 from assay.core.errors import AssayError
 from assay.lm.data import load_examples
-from tests.conftest import write_word_texts
+from tests.helpers import write_word_texts
 
 
 def _build(out, model_dir, data, *extra) -> int:

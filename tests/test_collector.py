@@ -9,69 +9,9 @@ from torch import nn
 
 from assay.attribution.collector import GradientCollector, linear_modules
 from assay.attribution.projection import Projector, projection_matrix
-from assay.core.precision import PrecisionPolicy
-from assay.lm.data import Examples, collate
+from assay.lm.data import collate
 from assay.lm.losses import example_losses
-
-FP32 = PrecisionPolicy.resolve("fp32", "cpu")
-
-
-def tiny_llama(seed: int = 0, intermediate_size: int = 64) -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-    )
-    return LlamaForCausalLM(cfg).eval()
-
-
-def tiny_gpt2(seed: int = 0) -> nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(seed)
-    cfg = GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=128)
-    return GPT2LMHeadModel(cfg).eval()
-
-
-def random_examples(lengths: list[int], seed: int = 0, loss_start: list[int] | None = None) -> Examples:
-    rng = np.random.default_rng(seed)
-    tokens = rng.integers(1, 128, size=sum(lengths)).astype(np.int32)
-    return Examples(
-        ids=np.arange(len(lengths), dtype=np.int64),
-        offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
-        tokens=tokens,
-        loss_start=np.asarray(loss_start or [1] * len(lengths), dtype=np.int64),
-    )
-
-
-def autograd_grads(model: nn.Module, examples: Examples, names: list[str]) -> list[dict[str, torch.Tensor]]:
-    """Reference: each example alone (no padding), its summed loss, `.grad` of each weight."""
-    refs = []
-    for i in range(len(examples)):
-        batch = collate(examples, np.array([i]), pad_id=0, pad_to=int(examples.lengths[i]))
-        model.zero_grad(set_to_none=True)
-        example_losses(model, batch).sum().backward()
-        refs.append({n: model.get_submodule(n).weight.grad.detach().clone() for n in names})
-    return refs
-
-
-def collect_all(model, examples, positions, projector, policy=FP32, patterns=("!*lm_head",), **kw):
-    modules = linear_modules(model, patterns)
-    batch = collate(examples, positions, pad_id=0, **kw)
-    with GradientCollector(model, modules, projector, policy) as col:
-        grads, losses = col.gradients(batch, example_losses)
-    return col, grads, losses
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
+from tests.helpers import FP32, autograd_grads, collect_all, random_examples, rel_err, tiny_gpt2, tiny_llama
 
 
 @pytest.mark.parametrize("make", [tiny_llama, tiny_gpt2])

@@ -23,19 +23,9 @@ from assay.selection.coreset import CoresetConfig, run_experiment
 from assay.selection.filter import FilterConfig, read_selection, select
 from assay.training.finetune import finetune
 from assay.training.recipe import TrainRecipe
+from tests.helpers import prose, tune
 
-NOTES = "ABcdefgab"
-WORDS = "the king and queen of night walk slowly over fields where rivers run under cold grey skies".split()
 MARGIN = 0.1  # nats/token TrackStar must beat random by on the target domain
-
-
-def tune(rng: np.random.Generator) -> str:
-    bars = ["".join(rng.choice(list(NOTES), size=4)) + "2" for _ in range(4)]
-    return "X:1\nK:D\n|" + "|".join(bars) + "|]"
-
-
-def prose(rng: np.random.Generator) -> str:
-    return " ".join(rng.choice(WORDS, size=12)) + "."
 
 
 def write(path: Path, texts: list[str], kinds: list[str]) -> str:

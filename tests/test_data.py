@@ -8,7 +8,7 @@ import pytest
 from assay.core.config import DataConfig
 from assay.core.errors import AssayError
 from assay.lm.data import collate, load_examples, load_table, token_batches, tokenize
-from tests.conftest import SAMPLE_TEXTS
+from tests.helpers import SAMPLE_TEXTS
 
 
 def _write_formats(tmp_path):

@@ -11,9 +11,6 @@ test_distributed_stages.py (filter, coreset).
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -24,43 +21,7 @@ import pytest
 import torch
 
 from assay.core.distributed import Distributed
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def torchrun(*args: str, nproc: int = 2, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Launch `args` under torchrun on this machine (gloo, one thread per rank)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    env.pop("WORLD_SIZE", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
-    cmd += ["--master_addr=127.0.0.1", f"--master_port={free_port()}", *args]
-    with subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT
-    ) as proc:
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.terminate()  # torchrun passes SIGTERM on to its ranks: a hung job leaves none behind
-            proc.communicate(timeout=60)
-            raise
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-
-
-def ok(proc: subprocess.CompletedProcess) -> None:
-    assert proc.returncode == 0, proc.stderr[-4000:]
-
-
-def write_many(folder: Path) -> Path:
-    """13 texts of varied length: an odd count, so ranks get uneven shares of batches."""
-    from tests.conftest import write_word_texts  # here: this file also runs as a torchrun script
-
-    return write_word_texts(folder / "many.jsonl", 13, 30)
+from tests.helpers import BUILD_FLAGS, assert_same_training, finetune_one, ok, torchrun, write_many
 
 
 @pytest.fixture(scope="module")
@@ -100,13 +61,6 @@ def test_shares_are_equal_length_and_cover_everything():
 
 
 # ---- build -----------------------------------------------------------------------------------
-BUILD_FLAGS = [
-    "--precision", "fp32", "--projection_dim", "4", "--token_batch_size", "48",
-    "--normalizer", "adafactor", "--normalizer_samples", "8", "--preconditioner", "trackstar",
-    "--threads", "1",  # the reference in this process and the torchrun workers: same GEMM blocking
-]  # fmt: skip
-
-
 @pytest.fixture(scope="module")
 def built(tmp_path_factory, tiny_model_dir, many_jsonl) -> tuple[Path, Path]:
     """(1-process index, 2-process index) of the same data and flags."""
@@ -168,49 +122,9 @@ def test_score_two_processes_equal_one(tmp_path, built, many_jsonl):
 
 
 # ---- finetune --------------------------------------------------------------------------------
-def metrics(folder: Path) -> list[dict]:
-    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
-
-
-FINETUNE_FLAGS = [
-    "--precision", "fp32", "--effective_batch_size", "4", "--micro_batch_size", "1",
-    "--learning_rate", "1e-3", "--eval_split", "", "--log_every", "1", "--save_every", "2",
-    "--attention", "eager",
-]  # fmt: skip
-
-
-def finetune_one(folder: Path, model_dir: Path, data: Path) -> tuple[Path, list[str]]:
-    """(the 1-process run, its arguments): 4 steps of effective batch 4 over 13 examples."""
-    from assay.cli import main
-
-    args = ["--model", str(model_dir), "--dataset", str(data), *FINETUNE_FLAGS]
-    assert main(["finetune", str(folder / "one"), *args]) == 0
-    return folder / "one", args
-
-
 @pytest.fixture(scope="module")
 def finetuned(tmp_path_factory, tiny_model_dir, many_jsonl) -> tuple[Path, list[str]]:
     return finetune_one(tmp_path_factory.mktemp("finetune"), tiny_model_dir, many_jsonl)
-
-
-def assert_same_training(one: Path, two: Path) -> None:
-    """Same loss curve and gradient norms (fp32 noise), same saved weights and Adam moments."""
-    from safetensors.torch import load_file
-
-    m1, m2 = metrics(one), metrics(two)
-    assert len(m1) == len(m2) == 6  # step 0, steps 1-4, final
-    for a, b in zip(m1[1:5], m2[1:5], strict=True):
-        assert a["step"] == b["step"]
-        assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-5, abs=1e-6)
-        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4, abs=1e-6)
-    assert max(a["grad_norm"] for a in m1[1:5]) > 1.0  # --max_grad_norm 1 clipped: clipping is compared
-    assert m2[-1]["train_loss"] == pytest.approx(m1[-1]["train_loss"], rel=1e-5)
-    for name in ("model/model.safetensors", "optimizer_state.safetensors"):
-        w1, w2 = load_file(str(one / name)), load_file(str(two / name))
-        assert set(w1) == set(w2)
-        for key, value in w1.items():
-            torch.testing.assert_close(w2[key], value, rtol=1e-4, atol=1e-5)
-    assert not (two / "checkpoint").exists()
 
 
 def test_finetune_two_processes_follow_the_one_process_loss_curve(tmp_path, finetuned):

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.test_distributed import ok, torchrun, write_many
+from tests.helpers import ok, torchrun, write_many
 
 
 @pytest.fixture(scope="module")

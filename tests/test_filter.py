@@ -12,7 +12,7 @@ from assay.core.config import DataConfig, ModelConfig, QueryConfig, RuntimeConfi
 from assay.core.errors import AssayError
 from assay.selection.filter import FilterConfig, read_selection, select, select_top
 from assay.training.evaluate import mean_token_loss
-from tests.test_coreset import prose, tune
+from tests.helpers import prose, tune
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from assay.training.recipe import TrainRecipe
 from assay.training.schedule import lr_factor, warmup_steps_for
 from assay.training.step import train_step
 from assay.training.subset import read_ids, replayed_plan
-from tests.conftest import SAMPLE_TEXTS
+from tests.helpers import SAMPLE_TEXTS
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.test_distributed import BUILD_FLAGS, assert_same_training, finetune_one, ok, torchrun, write_many
+from tests.helpers import BUILD_FLAGS, assert_same_training, finetune_one, ok, torchrun, write_many
 
 WORKER = str(Path(__file__).with_name("test_distributed.py"))  # its __main__ runs the workers
 

@@ -11,7 +11,7 @@ from assay.lm import head_loss
 from assay.lm.data import collate
 from assay.lm.head_loss import fusable_head
 from assay.lm.losses import example_losses, token_losses
-from tests.test_collector import random_examples, tiny_gpt2, tiny_llama
+from tests.helpers import random_examples, tiny_gpt2, tiny_llama
 
 
 def plain_losses(model, batch):

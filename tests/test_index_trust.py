@@ -23,7 +23,7 @@ from assay.cli import main
 from assay.core.config import DataConfig, ModelConfig, RuntimeConfig
 from assay.core.errors import AssayError
 from assay.lm.models import model_fingerprint
-from tests.conftest import make_llama, write_word_texts
+from tests.helpers import tiny_llama, write_word_texts
 
 
 @pytest.fixture(scope="module")
@@ -68,9 +68,9 @@ def test_queries_are_never_taken_without_the_index_normalizer(copy):
 
 
 def test_model_fingerprint_changes_with_any_weight_change(tiny_tokenizer):
-    model = make_llama(len(tiny_tokenizer))
+    model = tiny_llama(vocab_size=len(tiny_tokenizer))
     before = model_fingerprint(model)
-    assert model_fingerprint(make_llama(len(tiny_tokenizer))) == before  # same weights, same hash
+    assert model_fingerprint(tiny_llama(vocab_size=len(tiny_tokenizer))) == before  # same weights, same hash
     weight = model.model.layers[0].mlp.up_proj.weight  # [64, 32]
     with torch.no_grad():
         total = weight.sum(dtype=torch.float64)
@@ -104,7 +104,7 @@ def test_fingerprint_survives_moving_the_folder_and_old_indexes_still_open(built
 
 def test_a_model_with_permuted_rows_is_refused(built, tmp_path, tiny_tokenizer):
     model_dir = tmp_path / "model"
-    model = make_llama(len(tiny_tokenizer))  # the index's weights (seed 0) ...
+    model = tiny_llama(vocab_size=len(tiny_tokenizer))  # the index's weights (seed 0) ...
     with torch.no_grad():
         w = model.model.layers[1].self_attn.q_proj.weight
         w.copy_(w.flip(0))  # ... with the rows of one matrix reversed: same sums, same shapes

@@ -18,7 +18,7 @@ from assay.core.errors import AssayError
 from assay.core.precision import PrecisionPolicy
 from assay.lm.data import Examples, collate
 from assay.lm.losses import example_losses
-from tests.conftest import make_llama
+from tests.helpers import tiny_llama
 
 FP32 = PrecisionPolicy.resolve("fp32", "cpu")
 HOOK = "model.layers.0"  # output of block 0 = hidden_states[1]
@@ -85,7 +85,7 @@ def reference_latent_sum(
 @pytest.mark.parametrize("arch", ["topk", "standard", "jumprelu"])
 def test_query_gradient_equals_autograd_of_the_latent(tmp_path, arch):
     """Batched, padded collection == per-example autograd of -Σ_t a_L(h_t), module by module."""
-    model = make_llama(VOCAB, seed=1).eval()
+    model = tiny_llama(1, vocab_size=VOCAB).eval()
     tensors = random_sae(32, 64, seed=2, architecture=arch)
     sae = load_hooked_sae(save_sae(tmp_path / "sae", tensors, arch, k=8 if arch == "topk" else None))
     examples = examples_of([5, 11, 8, 3], seed=3)
@@ -113,7 +113,7 @@ def test_query_gradient_equals_autograd_of_the_latent(tmp_path, arch):
 
 def test_projected_and_bf16_query_gradients(tmp_path):
     """The projected rows are the projection of the raw ones; bf16 autocast agrees with fp32."""
-    model = make_llama(VOCAB, seed=1).eval()
+    model = tiny_llama(1, vocab_size=VOCAB).eval()
     sae = load_hooked_sae(
         save_sae(tmp_path / "sae", random_sae(32, 64, seed=2, architecture="standard"), "standard")
     )
@@ -164,7 +164,7 @@ def test_planted_driver_ranks_first_and_scores_predict_retraining(tmp_path):
     order only example 3 drives it. Ground truth by real SGD steps; the attribution (inner
     product of the latent's query gradient with each loss gradient) must put example 3 first
     and predict every example's measured change (first order: Δf ≈ lr · score)."""
-    model = make_llama(VOCAB, seed=5).eval()
+    model = tiny_llama(5, vocab_size=VOCAB).eval()
     for p in model.parameters():
         p.requires_grad_(True)
     setup = setup_for(model)
@@ -220,7 +220,7 @@ def test_load_sae_errors_and_silent_latent(tmp_path):
     tensors = random_sae(32, 16, seed=0, architecture="standard")
     tensors["b_enc"][2] = -1e3  # latent 2 can never fire
     dead_dir = save_sae(tmp_path / "dead", tensors, "standard")
-    model = make_llama(VOCAB, seed=1).eval()
+    model = tiny_llama(1, vocab_size=VOCAB).eval()
     with pytest.raises(AssayError, match="never fires"):
         latent_query_gradients(setup_for(model), load_hooked_sae(dead_dir), 2, examples_of([6, 7], seed=0))
 
@@ -257,7 +257,7 @@ def test_latent_query_against_a_built_index(tmp_path, tiny_model_dir, texts_json
 def test_most_active_latent_matches_a_dense_count(tmp_path):
     from assay.bridge.latent import most_active_latent
 
-    model = make_llama(VOCAB, seed=1).eval()
+    model = tiny_llama(1, vocab_size=VOCAB).eval()
     sae = load_hooked_sae(save_sae(tmp_path / "sae", random_sae(32, 64, seed=2), "topk", k=8))
     examples = examples_of([5, 11, 8], seed=3)
     sums = torch.zeros(64)

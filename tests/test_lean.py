@@ -15,7 +15,7 @@ from assay.attribution.projection import Projector
 from assay.core.precision import PrecisionPolicy
 from assay.lm import lean
 from assay.lm.lean import keep_compute_casts, recompute_elementwise
-from tests.test_collector import collect_all, random_examples, tiny_gpt2, tiny_llama
+from tests.helpers import collect_all, random_examples, tiny_gpt2, tiny_llama
 
 PRECISIONS = ("fp32", "bf16", "bf16-pure")
 

@@ -16,7 +16,7 @@ from assay.attribution import build as build_mod
 from assay.cli import main
 from assay.core import disk
 from assay.core.disk import as_disk_full
-from tests.conftest import write_word_texts
+from tests.helpers import write_word_texts
 
 HOLD_LOCK = """
 import sys, time

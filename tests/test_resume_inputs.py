@@ -14,7 +14,7 @@ import assay
 from assay.attribution import build as build_mod
 from assay.cli import main
 from assay.training import finetune as ft
-from tests.conftest import make_llama, write_word_texts
+from tests.helpers import tiny_llama, write_word_texts
 
 
 def _build_args(out, model_dir, data, *extra):
@@ -77,14 +77,14 @@ def test_build_resume_refuses_changed_weights_or_tokenizer(
     model_dir, data = inputs
     args = _build_args(tmp_path / "idx", model_dir, data)
     _interrupted_build(monkeypatch, args)
-    make_llama(len(tiny_tokenizer), seed=3).save_pretrained(model_dir)  # same architecture
+    tiny_llama(3, vocab_size=len(tiny_tokenizer)).save_pretrained(model_dir)  # same architecture
     assert main(args) == 2
     assert "was started on another model" in _last_error(capsys)
-    from tests.conftest import make_tokenizer
+    from tests.helpers import make_tokenizer
 
     tok_dir = tmp_path / "tok"
     make_tokenizer(vocab_size=290).save_pretrained(tok_dir)
-    make_llama(len(tiny_tokenizer), seed=0).save_pretrained(model_dir)  # the weights it started on
+    tiny_llama(0, vocab_size=len(tiny_tokenizer)).save_pretrained(model_dir)  # the weights it started on
     assert main([*args, "--tokenizer", str(tok_dir)]) == 2  # another flag: refused by name first
     assert "another --tokenizer" in _last_error(capsys)
     tiny_tokenizer.save_pretrained(model_dir)

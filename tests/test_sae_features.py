@@ -22,7 +22,7 @@ from assay.sae.features import (
     browse,
 )
 from assay.sae.model import SparseAutoencoder
-from tests.conftest import make_llama, make_tokenizer, write_word_texts
+from tests.helpers import make_tokenizer, tiny_llama, write_word_texts
 
 LENGTHS = (9, 17, 5, 12, 14)
 IDS = [10, 11, 12, 13, 14]
@@ -41,7 +41,7 @@ def _examples(seqs: list[np.ndarray]) -> Examples:
 def _setup(dead_head: bool, act_scale: float = 1.0):
     """A tiny Llama, its tokenizer, a TopK SAE (64 latents) on block 0's output, five texts."""
     tok = make_tokenizer()
-    model = make_llama(len(tok), seed=0).eval()
+    model = tiny_llama(0, vocab_size=len(tok)).eval()
     g = torch.Generator().manual_seed(1)
     w = torch.randn(32, 64, generator=g) / 32**0.5
     b_enc = torch.zeros(64)

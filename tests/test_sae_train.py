@@ -30,7 +30,7 @@ from assay.sae.metrics import DeadLatents, ReconstructionStats
 from assay.sae.model import SparseAutoencoder
 from assay.sae.optim import averaged as averaged_point
 from assay.sae.train import default_learning_rate, init_from_data, make_optimizer, train_step
-from tests.conftest import SAMPLE_TEXTS
+from tests.helpers import SAMPLE_TEXTS
 
 HOOK = "model.layers.0"
 

@@ -15,7 +15,7 @@ from assay.cli import main
 from assay.commands.score import ScoreConfig, run_score
 from assay.core.config import DataConfig, ModelConfig, QueryConfig, RuntimeConfig
 from assay.core.errors import AssayError
-from tests.conftest import make_llama, make_tokenizer
+from tests.helpers import make_tokenizer, tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +80,7 @@ def test_empty_queries_are_refused(built, capsys):
 
 def test_changed_model_is_refused(built, tiny_tokenizer, capsys):
     root, model_dir, data = built
-    make_llama(len(tiny_tokenizer), seed=1).save_pretrained(model_dir)  # same architecture, new weights
+    tiny_llama(1, vocab_size=len(tiny_tokenizer)).save_pretrained(model_dir)  # same architecture, new weights
     with pytest.raises(AssayError, match="is not the one"):
         run_score(_score_cfg(root, data, query_max_samples=2))
     capsys.readouterr()

@@ -20,7 +20,7 @@ from assay.attribution import build as build_mod
 from assay.attribution import index as ix
 from assay.attribution.score import index_cache_path, train_texts
 from assay.cli import main
-from tests.conftest import make_llama, write_word_texts
+from tests.helpers import tiny_llama, write_word_texts
 
 FLAGS = ["--precision", "fp32", "--projection_dim", "4", "--token_batch_size", "1"]
 
@@ -118,7 +118,7 @@ def test_mismatches_are_refused_in_one_line(grown, tmp_path, tiny_tokenizer, cap
         pytest.skip("once is enough")
     base = Path(shutil.copytree(root / "base", tmp_path / "base"))
     other = tmp_path / "other-model"
-    make_llama(len(tiny_tokenizer), seed=1).save_pretrained(other)
+    tiny_llama(1, vocab_size=len(tiny_tokenizer)).save_pretrained(other)
     tiny_tokenizer.save_pretrained(other)
     cases = [
         (["--model", str(other)], "is not the one"),

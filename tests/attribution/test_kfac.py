@@ -7,7 +7,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from assay.attribution.api import collect_gradients
@@ -35,6 +34,7 @@ from assay.core.errors import AssayError
 from assay.core.precision import PrecisionPolicy
 from assay.lm.data import Examples, collate
 from assay.lm.losses import example_losses
+from tests.helpers import ce_loss, classifier_data, kron_solve, mlp
 
 F64 = torch.float64
 FP32 = PrecisionPolicy.resolve("fp32", "cpu")
@@ -94,24 +94,6 @@ def lm_batches(ex: Examples, size: int) -> list[dict[str, torch.Tensor]]:
     return out
 
 
-def mlp(seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(
-        nn.Linear(12, 32, bias=False), nn.Tanh(), nn.Linear(32, 16, bias=False), nn.Tanh(), nn.Linear(16, 4)
-    )
-
-
-def ce_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    return F.cross_entropy(model(batch["x"]), batch["y"], reduction="none")  # [B]
-
-
-def classifier_data(n: int = 96, seed: int = 0) -> list[dict[str, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(seed)
-    y = torch.randint(0, 4, (n,), generator=gen)
-    x = torch.randn(4, 12, generator=gen)[y] * 2 + torch.randn(n, 12, generator=gen)
-    return [{"x": x[i : i + 16], "y": y[i : i + 16]} for i in range(0, n, 16)]
-
-
 def trace(model: nn.Module, batch: dict[str, torch.Tensor], names: list[str], loss_fn) -> tuple[dict, dict]:
     """Reference: plain autograd (parameters requiring grad); each module's input and output grad."""
     acts, outs, handles = {}, {}, []
@@ -129,16 +111,6 @@ def trace(model: nn.Module, batch: dict[str, torch.Tensor], names: list[str], lo
         h.remove()
     model.zero_grad(set_to_none=True)
     return acts, {n: o.grad.detach().clone() for n, o in outs.items()}
-
-
-def kron_solve(mf: ModuleFactors, kind: str, grads: torch.Tensor, delta: float) -> torch.Tensor:
-    """(H + δI)⁻¹ vec(∇W) with H formed explicitly as a dense Kronecker-structured matrix, fp64."""
-    qg, qa = (torch.block_diag(*[q.to(F64) for q in s.vectors]) for s in (mf.g, mf.a))
-    basis = torch.kron(qg, qa)  # columns: eigenvectors of G ⊗ A, vec row-major over (out, in)
-    h = (basis * mf.eigenvalues(kind).to(F64).reshape(-1)) @ basis.T  # type: ignore[arg-type]
-    rhs = grads.to(F64).reshape(grads.shape[0], -1).T
-    x = torch.linalg.solve(h + delta * torch.eye(h.shape[0], dtype=F64), rhs)
-    return x.T.reshape(grads.shape)
 
 
 # --- factors --------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from assay.core.config import DataConfig, ModelConfig, RuntimeConfig
 from assay.core.errors import AssayError
 from assay.lm.data import collate, load_examples, token_batches
 from assay.lm.losses import example_losses
-from tests.conftest import write_word_texts
+from tests.helpers import write_word_texts
 
 
 def _build(out, model_dir, data, projection_dim: int, kind: str = "ekfac") -> None:

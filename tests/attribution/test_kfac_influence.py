@@ -12,7 +12,7 @@ from assay.attribution.kfac_fit import fit_kfac
 from assay.attribution.kfac_influence import kfac_influence
 from assay.attribution.precondition import single_thread
 from assay.core.errors import AssayError
-from tests.attribution.test_kfac import ce_loss, classifier_data, kron_solve, mlp
+from tests.helpers import ce_loss, classifier_data, kron_solve, mlp
 
 
 def class_zero(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:

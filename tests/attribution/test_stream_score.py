@@ -11,7 +11,7 @@ import pytest
 
 from assay.attribution import stream as stream_mod
 from assay.cli import main
-from tests.conftest import write_word_texts
+from tests.helpers import write_word_texts
 
 N = 24
 FLAGS = ["--precision", "fp32", "--projection_dim", "4"]

@@ -19,7 +19,7 @@ from assay.attribution.tokens import token_scores
 from assay.cli import main
 from assay.lm.data import collate
 from assay.lm.losses import example_losses
-from tests.test_collector import FP32, random_examples, tiny_llama
+from tests.helpers import FP32, random_examples, tiny_llama
 
 LENGTHS = [9, 14, 5]
 

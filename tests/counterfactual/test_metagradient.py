@@ -33,7 +33,7 @@ from assay.counterfactual.metagradient import (
 from assay.counterfactual.replay import AdamWSettings, Replay, TrainingRun, finetune_order
 from assay.lm.data import Examples, collate
 from assay.training.schedule import lr_factor
-from tests.conftest import make_llama
+from tests.helpers import tiny_llama
 
 
 @pytest.fixture(autouse=True)
@@ -157,7 +157,7 @@ def test_replay_matches_assay_finetune_steps(lora: bool, precision: str) -> None
     from assay.training.step import optimizer_update, train_step
 
     examples = random_examples(16, 64)
-    model = make_llama(64)
+    model = tiny_llama(vocab_size=64)
     if lora:
         model = lora_model(model, torch.float32)
     model.train()
@@ -229,7 +229,7 @@ def test_metagradient_matches_finite_differences_llama(lora: bool, monkeypatch: 
     monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", rms_norm_in_input_dtype)
     examples = random_examples(12, 48, seed=2)
     queries = random_examples(2, 48, seed=3)
-    model = make_llama(48, seed=1).double()
+    model = tiny_llama(1, vocab_size=48).double()
     if lora:
         model = lora_model(model, torch.float64)
     steps = random_steps(12, 3, 4, seed=4)
@@ -265,7 +265,7 @@ def test_lm_loss_fns_chunked_head_replay_with_plain_curvature() -> None:
     loss_fn, curvature = lm_loss_fns(examples, 0, "cpu")
     results = []
     for first in (loss_fn, llama_loss(examples)):
-        model = lora_model(make_llama(64, seed=2), torch.float32)
+        model = lora_model(tiny_llama(2, vocab_size=64), torch.float32)
         assert fusable_head(model) is not None  # the chunked head is in use
         run = TrainingRun(steps, examples.num_loss_tokens(), first, opt, 2, curvature_loss_fn=curvature)
         replay = Replay(model, run)
@@ -353,7 +353,7 @@ def test_bf16_replay_close_to_fp32() -> None:
     for name in ("fp32", "bf16"):
         policy = PrecisionPolicy.resolve(name)
         run = TrainingRun(steps, examples.num_loss_tokens(), llama_loss(examples), opt, 4, policy=policy)
-        replay = Replay(make_llama(64, seed=1), run, checkpoint_every=2)
+        replay = Replay(tiny_llama(1, vocab_size=64), run, checkpoint_every=2)
         out[name] = replay_scores(replay, llama_loss(queries), [np.arange(2)], aggregate=True, policy=policy)[
             0
         ]

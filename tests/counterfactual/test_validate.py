@@ -22,7 +22,7 @@ from assay.lm.models import load_model, load_tokenizer
 from assay.lm.queries import load_queries
 from assay.training.finetune import FinetuneConfig, finetune
 from assay.training.recipe import TrainRecipe
-from tests.conftest import write_word_texts
+from tests.helpers import write_word_texts
 
 RECIPE = TrainRecipe(learning_rate=3e-3, num_epochs=2, effective_batch_size=4, micro_batch_size=4)
 

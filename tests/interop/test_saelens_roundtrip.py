@@ -144,7 +144,7 @@ def test_wandb_offline_logging(tiny_model_dir, tmp_path, monkeypatch) -> None:  
     from assay.core.config import DataConfig, ModelConfig, RuntimeConfig
     from assay.sae.config import SaeTrainConfig
     from assay.sae.train import train_sae
-    from tests.conftest import SAMPLE_TEXTS
+    from tests.helpers import SAMPLE_TEXTS
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")

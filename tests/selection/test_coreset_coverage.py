@@ -21,7 +21,7 @@ from assay.selection.filter import FilterConfig, read_selection, select
 from assay.training.finetune import FinetuneConfig, finetune
 from assay.training.recipe import TrainRecipe
 from assay.training.subset import read_weights
-from tests.test_coreset import prose, tune
+from tests.helpers import prose, tune
 
 MARGIN = 0.05  # nats/token facility must beat the typicality ranking by on the mixed eval set
 
