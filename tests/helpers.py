@@ -100,12 +100,14 @@ def tiny_llama(seed: int = 0, **config: Any) -> nn.Module:
     return LlamaForCausalLM(LlamaConfig(**{**LLAMA_DEFAULTS, **config})).eval()
 
 
-def tiny_gpt2(seed: int = 0) -> nn.Module:
+def tiny_gpt2(seed: int = 0, **config: Any) -> nn.Module:
+    """A 2-layer random GPT-2 (Conv1D projections; eval mode); keyword arguments override the
+    config."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
-    cfg = GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=128)
-    return GPT2LMHeadModel(cfg).eval()
+    defaults = dict(vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=128)
+    return GPT2LMHeadModel(GPT2Config(**{**defaults, **config})).eval()
 
 
 # ---- examples and reference gradients ---------------------------------------------------------

@@ -15,21 +15,10 @@ from assay.attribution.index import NORMALIZER_FILE, load_safetensors
 from assay.cli import main
 from assay.core.errors import AssayError
 from assay.integrations import GradientCallback, LiveConfig, record_gradients
+from tests.helpers import tiny_llama
 
 WORDS = "the king queen folk tune jig reel air of to and a in my love".split()
 FLAGS = ["--precision", "fp32", "--projection_dim", "4", "--token_batch_size", "64"]
-
-
-def make_llama(vocab_size: int):
-    """A 2-layer random Llama (built here: the Trainer trains it)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-    )  # fmt: skip
-    return LlamaForCausalLM(cfg)
 
 
 def _texts(count: int = 24) -> list[str]:
@@ -72,7 +61,7 @@ def trained(tmp_path_factory, tiny_tokenizer):
     )  # fmt: skip
     callback = GradientCallback(root / "grads", config=LiveConfig(projection_dim=4, max_length=64))
     trainer = Trainer(
-        model=make_llama(len(tiny_tokenizer)), args=args, train_dataset=data,
+        model=tiny_llama(vocab_size=len(tiny_tokenizer)), args=args, train_dataset=data,
         data_collator=_collator(tiny_tokenizer.pad_token_id), processing_class=tiny_tokenizer,
         callbacks=[callback],
     )  # fmt: skip
@@ -114,7 +103,7 @@ def test_an_index_written_during_training_is_scored(trained, tmp_path):
 
 
 def test_a_plain_loop_step_equals_assay_build(tmp_path, tiny_tokenizer):
-    model = make_llama(len(tiny_tokenizer))
+    model = tiny_llama(vocab_size=len(tiny_tokenizer))
     model.save_pretrained(tmp_path / "m")
     tiny_tokenizer.save_pretrained(tmp_path / "m")
     batch = _collator(tiny_tokenizer.pad_token_id)(
@@ -137,7 +126,7 @@ def test_a_plain_loop_step_equals_assay_build(tmp_path, tiny_tokenizer):
 
 
 def test_misuse_is_one_line(tmp_path, tiny_tokenizer):
-    model = make_llama(len(tiny_tokenizer)).train()
+    model = tiny_llama(vocab_size=len(tiny_tokenizer)).train()
     ids = torch.tensor([_encode(tiny_tokenizer, "the king")])
     with pytest.raises(AssayError, match="labels="):
         with record_gradients(tmp_path / "a", model, tiny_tokenizer, config=LiveConfig(normalizer="none")):

@@ -34,6 +34,7 @@ from assay.core.errors import AssayError
 from assay.core.precision import PrecisionPolicy
 from assay.lm.data import Examples, collate
 from assay.lm.losses import example_losses
+from tests import helpers
 from tests.helpers import ce_loss, classifier_data, kron_solve, mlp
 
 F64 = torch.float64
@@ -49,29 +50,17 @@ def one_thread():
 
 # --- models and data ----------------------------------------------------------------------------
 def tiny_llama(seed: int = 0) -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=96,
-        hidden_size=24,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
+    """Smaller than the shared default, so dense Kronecker solves stay cheap."""
+    return helpers.tiny_llama(
+        seed, vocab_size=96, hidden_size=24, intermediate_size=32, max_position_embeddings=64,
         attn_implementation="eager",
-    )
-    return LlamaForCausalLM(cfg).eval()
+    )  # fmt: skip
 
 
 def tiny_gpt2(seed: int = 0) -> nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(seed)
-    cfg = GPT2Config(vocab_size=96, n_embd=16, n_layer=1, n_head=2, n_positions=64)
-    cfg._attn_implementation = "eager"
-    return GPT2LMHeadModel(cfg).eval()
+    model = helpers.tiny_gpt2(seed, vocab_size=96, n_embd=16, n_layer=1, n_head=2, n_positions=64)
+    model.config._attn_implementation = "eager"
+    return model
 
 
 def examples(lengths: list[int], seed: int = 0) -> Examples:
