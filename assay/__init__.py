@@ -7,6 +7,7 @@ The notebook entry points (`import assay`), each also reachable from its module:
     grads = assay.collect_gradients(model, batches, loss_fn)            # any torch model
     result = assay.score(queries, grads, assay.ScoreOptions(mode="trackstar"))
     factors = assay.fit_kfac(model, batches, loss_fn, kind="ekfac")
+    scores = assay.kfac_influence(model, train_batches, query_batches, loss_fn)  # [Q, N], any torch model
     lds = assay.linear_datamodel_score(scores, masks, outputs)
     sae, meta = assay.load_sae("runs/sae/sae")
 
@@ -30,6 +31,7 @@ _PUBLIC: dict[str, str] = {
     "ScoreOptions": "assay.attribution.options",
     "score_index": "assay.attribution.score",
     "fit_kfac": "assay.attribution.kfac_fit",
+    "kfac_influence": "assay.attribution.kfac_influence",
     "KronFactors": "assay.attribution.kfac",
     "load_factors": "assay.attribution.kfac",
     "save_factors": "assay.attribution.kfac",

@@ -44,7 +44,6 @@ from assay.attribution.normalizers import Normalizer, sample_positions
 from assay.attribution.projection import Projector
 from assay.core.config import DataConfig
 from assay.core.console import note
-from assay.core.disk import as_disk_full
 from assay.core.distributed import Distributed
 from assay.core.errors import AssayError
 from assay.core.runs import (
@@ -52,9 +51,11 @@ from assay.core.runs import (
     INPUTS_FILE,
     LOCK_FILE,
     RunFolder,
+    abandon_on_failure,
     check_inputs,
     config_from_dict,
     config_to_dict,
+    open_on_every_rank,
     read_json,
     write_json,
 )
@@ -232,25 +233,9 @@ def _staging(out: Path, cfg: BuildConfig) -> Iterator[RunFolder]:
     """OUT.append.part as a locked, resumable run folder that is removed (never renamed) when done;
     kept with its work when interrupted. Every rank raises the same error if it cannot be opened."""
     dist = Distributed.current()
-    run, error = RunFolder(out.with_name(out.name + ".append"), "build", cfg), None
-    if dist.is_main:
-        try:
-            run.open()
-        except AssayError as e:
-            error = str(e)
-    error = dist.agree(error)
-    if error:
-        run.abandon()
-        raise AssayError(error)
-    run.resumed = bool(dist.broadcast_object(run.resumed))
-    try:
+    run = open_on_every_rank(RunFolder(out.with_name(out.name + ".append"), "build", cfg))
+    with abandon_on_failure(run):
         yield run
-    except BaseException as e:
-        run.abandon()
-        full = as_disk_full(e, run.path)
-        if full is not None:
-            raise full from None
-        raise
     run.close()
     if dist.is_main:
         shutil.rmtree(run.path, ignore_errors=True)

@@ -311,7 +311,22 @@ def run_folder(
     from assay.core.distributed import Distributed  # lazy: loads torch; cli reads runs without it
 
     dist = Distributed.current()
-    run, error = RunFolder(out, command, cfg, overwrite, free, resumable), None
+    run = open_on_every_rank(RunFolder(out, command, cfg, overwrite, free, resumable))
+    with abandon_on_failure(run):
+        yield run
+        dist.barrier()  # every rank's rows are on disk before rank 0 renames the folder
+        if dist.is_main:
+            run.commit()
+    dist.barrier()
+
+
+def open_on_every_rank(run: RunFolder) -> RunFolder:
+    """Rank 0 opens (and locks) the folder; every rank raises the same error if it cannot, and
+    every rank learns whether it resumed."""
+    from assay.core.distributed import Distributed  # lazy: loads torch; cli reads runs without it
+
+    dist = Distributed.current()
+    error = None
     if dist.is_main:
         try:
             run.open()
@@ -322,18 +337,21 @@ def run_folder(
         run.abandon()
         raise AssayError(error)
     run.resumed = bool(dist.broadcast_object(run.resumed))
+    return run
+
+
+@contextmanager
+def abandon_on_failure(run: RunFolder) -> Iterator[None]:
+    """On any failure inside: leave the folder as `.part` (removed when it holds no work) and
+    turn a full disk into one line."""
     try:
-        yield run
-        dist.barrier()  # every rank's rows are on disk before rank 0 renames the folder
-        if dist.is_main:
-            run.commit()
+        yield
     except BaseException as e:
         run.abandon()
         full = as_disk_full(e, run.path)
         if full is not None:
             raise full from None
         raise
-    dist.barrier()
 
 
 def check_inputs(run: RunFolder, inputs: dict[str, str]) -> None:
