@@ -45,7 +45,7 @@ test-interop:
 	$(PEERS)/bin/python -m pip install -q einops einconv opt-einsum accelerate
 	PYTHONPATH=. $(PEERS)/bin/python -m pytest -q -p no:cacheprovider tests/interop
 
-# Headless Chromium for the report's browser test (tests/test_report.py); idempotent.
+# Headless Chromium for the report's browser test (tests/report/test_report.py); idempotent.
 .PHONY: browser
 browser:
 	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \

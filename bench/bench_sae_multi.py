@@ -6,7 +6,7 @@
 Runs `assay sae train` once with --hookpoints (and --sweep_k when given), then once per SAE
 alone, each in its own process (peak resident memory from the OS), interleaved `--repeats`
 times; prints one JSON line per run and a summary line with the ratios. The SAEs of the
-combined run equal the separate runs' (tests/test_sae_train.py), so only cost differs. Figures
+combined run equal the separate runs' (tests/sae/test_sae_train.py), so only cost differs. Figures
 on a shared machine are provisional.
 """
 

@@ -41,7 +41,7 @@ from assay.lm.hooks import is_linear
 
 SWIGLU_PARTS = ("gate_proj", "up_proj", "down_proj", "act_fn")
 SILU_TYPES = ("SiLU", "SiLUActivation")  # torch's and transformers' silu modules
-# RMSNorms whose forward is Llama's, line for line (tests/test_lean.py compares the sources)
+# RMSNorms whose forward is Llama's, line for line (tests/lm/test_lean.py compares the sources)
 LLAMA_RMSNORM_TYPES = frozenset(
     {
         "LlamaRMSNorm",

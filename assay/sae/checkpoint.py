@@ -2,7 +2,7 @@
 
 Adam: its per-parameter state (step, exp_avg, exp_avg_sq). Signum: the parameters hold y and
 the state holds z and x; the averaging counters (lr_max, weight_sum, k) go to state.json.
-A resumed run continues bit for bit (tests/test_sae_train.py).
+A resumed run continues bit for bit (tests/sae/test_sae_train.py).
 """
 
 from __future__ import annotations

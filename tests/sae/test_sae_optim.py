@@ -163,7 +163,7 @@ def test_optimizer_option_resolves_and_round_trips_through_json() -> None:
     assert default_learning_rate(2**14, True, "signum") == pytest.approx(7e-3)
     assert default_learning_rate(2**16, True, "signum") == pytest.approx(3.5e-3)
     # AuxK's window: topk's short window with signum at 4,096-token batches, else the dead-latent
-    # window, unless given (tests/test_sae_architectures.py has the cases)
+    # window, unless given (tests/sae/test_sae_architectures.py has the cases)
     assert cfg.aux_window == 16_384 and relu.aux_window == relu.dead_window_tokens
     assert SaeTrainConfig(out="o", optimizer="adam", aux_window_tokens=512).aux_window == 512
     with pytest.raises(AssayError, match="--aux_window_tokens must be positive"):

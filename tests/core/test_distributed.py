@@ -2,7 +2,7 @@
 
 Each distributed case launches `python -m torch.distributed.run --nproc_per_node 2 ...` as a
 subprocess (the same launcher users run) and compares with an in-process single-process run.
-Run as a script (`torchrun ... tests/test_distributed.py MODE ARGS`), this file is also the
+Run as a script (`torchrun ... tests/core/test_distributed.py MODE ARGS`), this file is also the
 worker for the cases that need code inside the ranks (the SAE step, a failing rank, an
 interrupted finetune). Its launcher and reference runs are shared by test_fsdp.py (--fsdp) and
 test_distributed_stages.py (filter, coreset).
