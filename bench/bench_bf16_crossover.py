@@ -12,7 +12,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -22,6 +24,9 @@ from assay.attribution.projection import Projector
 from assay.core.precision import PrecisionPolicy
 from assay.lm.data import Examples, collate
 from assay.lm.losses import example_losses
+
+sys.path.insert(0, str(Path(__file__).parent))
+from machine import header, machine  # noqa: E402
 
 
 def make_model(width: int, vocab: int):
@@ -109,8 +114,10 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args()
+    info = machine()
+    print(header(info), flush=True)
     for width in args.widths:
-        print(json.dumps(timings(width, args)), flush=True)
+        print(json.dumps({**timings(width, args), "machine": info}), flush=True)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
@@ -33,17 +32,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+sys.path.insert(0, str(Path(__file__).parent))
+from machine import header  # noqa: E402
+
 STRATEGIES = ("typical", "facility", "kcenter", "balanced")
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def write_rows(path: Path, rows: int, dim: int, seed: int = 0) -> np.ndarray:
@@ -138,7 +130,7 @@ def main() -> None:
         run_one(args.child[0], args.child[1], args.k, args.threads, args.child[2])
         return
     cores = os.cpu_count()
-    print(f"cpu: {cpu_model()}; {cores} logical cores; torch {torch.__version__}, {args.threads} threads")
+    print(f"{header()}; {cores} logical cores; {args.threads} threads asked for")
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         path, labels_path = Path(tmp) / "rows.npy", Path(tmp) / "labels.npy"
         t0 = time.perf_counter()

@@ -14,7 +14,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -24,6 +26,9 @@ from assay.core.precision import PrecisionPolicy
 from assay.lm.data import collate, load_examples
 from assay.lm.models import load_model, load_tokenizer
 from assay.training.finetune import optimizer_update, train_step
+
+sys.path.insert(0, str(Path(__file__).parent))
+from machine import header, machine  # noqa: E402
 
 
 def plain_epoch(model, examples, steps, policy, pad_id, opt) -> int:
@@ -65,6 +70,7 @@ def main() -> None:
     ap.add_argument("--precisions", default="fp32,bf16")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = ap.parse_args()
+    print(header(), flush=True)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     mcfg = ModelConfig(model=args.model)
@@ -96,7 +102,8 @@ def main() -> None:
     if "fp32" in results and "bf16" in results:
         ratio = results["bf16"]["assay_tokens_per_s"] / results["fp32"]["assay_tokens_per_s"]
         print(f"bf16 / fp32 (assay loop): {ratio:.2f}x")
-    print(json.dumps({"args": vars(args), "results": results, "threads": torch.get_num_threads()}))
+    info = machine()
+    print(json.dumps({"machine": info, "args": vars(args), "results": results, "threads": info["threads"]}))
 
 
 if __name__ == "__main__":

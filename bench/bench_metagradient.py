@@ -49,6 +49,9 @@ from assay.lm.models import load_model, load_tokenizer
 from assay.training.finetune import optimizer_update, train_step
 from assay.training.schedule import lr_factor, warmup_steps_for
 
+sys.path.insert(0, str(Path(__file__).parent))
+from machine import header, machine  # noqa: E402
+
 
 def cpu_model() -> str:
     """The CPU's model name, for the record (timings depend on it)."""
@@ -214,7 +217,7 @@ def child(args: argparse.Namespace, name: str) -> dict[str, Any]:
 
 
 def report(args: argparse.Namespace) -> None:
-    print(f"CPU: {cpu_model()}; torch {torch.__version__}; threads {args.threads or torch.get_num_threads()}")
+    print(header(), flush=True)
     print("figures are provisional: a shared machine's timings vary from run to run")
     res = {name: child(args, name) for name in args.phases.split(",")}
     train = res.get("train")
@@ -240,7 +243,7 @@ def report(args: argparse.Namespace) -> None:
         p = res["precision"]
         print(f"bf16 vs fp32 aggregate scores (eps {args.adam_eps:g}): Spearman {p['spearman']:.3f}, "
               f"relative L2 {p['rel_l2']:.3f}, top-10 overlap {p['top10_overlap']}/10")  # fmt: skip
-    print(json.dumps({"cpu": cpu_model(), "args": vars(args), "results": res}))
+    print(json.dumps({"cpu": cpu_model(), "machine": machine(), "args": vars(args), "results": res}))
 
 
 def main() -> None:

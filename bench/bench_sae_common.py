@@ -11,13 +11,16 @@ last DEAD_WINDOW_STEPS training batches).
 from __future__ import annotations
 
 import json
-import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from machine import machine as cpu_record  # noqa: E402
 
 WARMUP = 5
 DEAD_WINDOW_STEPS = 25
@@ -70,7 +73,8 @@ class Timer:
 
 
 def machine() -> dict[str, Any]:
-    return {"threads": torch.get_num_threads(), "load_avg": os.getloadavg(), "torch": torch.__version__}
+    """CPU model and ISA features, torch, threads, load (bench/machine.py), in every result line."""
+    return cpu_record()
 
 
 def record(

@@ -27,6 +27,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+sys.path.insert(0, str(Path(__file__).parent))
+from machine import header, machine  # noqa: E402
+
 MODULE_DIM = 256  # p = 16 per side
 
 
@@ -177,6 +180,7 @@ def main() -> None:
         help="the exact path's block of fp32 rows per GEMM (cached TrackStar's per bmm), MiB "
         "(0: the kernel's own)",
     )
+    ap.add_argument("--out", default="", help="also write the machine and the results as JSON here")
     ap.add_argument("--case", help=argparse.SUPPRESS)
     ap.add_argument("--path", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -184,6 +188,8 @@ def main() -> None:
         sizes = (args.chunk_mib[0], args.block_mib[0])
         print(json.dumps(run_case(args.case, Path(args.path), args.queries, args.repeats, *sizes)))
         return
+    info = machine()
+    print(header(info), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "gradients.npy"
         make_index(path, args.rows, args.dim, dtype=args.dtype)
@@ -239,6 +245,9 @@ def main() -> None:
                 exact = f"{r['rescored_per_chunk']:.0f} of {r['chunk_rows']:,}"
                 line += f"   (fp16 screen; {exact} rows per chunk re-scored exactly)"
             print(line)
+    if args.out:
+        record = {"machine": info, "args": vars(args), "norm_pass_s": norms_seconds, "results": results}
+        Path(args.out).write_text(json.dumps(record, indent=2, default=float) + "\n")
 
 
 if __name__ == "__main__":

@@ -14,22 +14,14 @@ machine at this moment (provisional on a shared one).
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+sys.path.insert(0, str(Path(__file__).parent))
+from machine import header  # noqa: E402
 
 
 def timed(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
@@ -99,7 +91,7 @@ def main() -> None:
     parser.add_argument("--index", default=str(Path.home() / ".cache" / "assay" / "bench" / "demo-index"))
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    print(f"CPU: {cpu_model()} ({os.cpu_count()} cores); figures are provisional on a shared machine")
+    print(f"{header()}; figures are provisional on a shared machine")
     fingerprint_costs(args.models, args.repeats)
     ensure_index(Path(args.index))
     verification_cost(Path(args.index), args.repeats)
