@@ -1,7 +1,9 @@
 """Benchmark `assay build` against its two yardsticks, side by side in one run.
 
-1. The floor: a plain forward+backward with parameter gradients (a training step minus the
-   optimizer) over the very same batches at the same precision.
+1. The floor: the fastest plain forward+backward with parameter gradients (a training step minus
+   the optimizer) over the very same examples and token batches at the same precision, among
+   attention paths and batch layouts timed side by side (`--floors`, see bench/floors.py: eager or
+   SDPA attention, padded with a mask, padded causal without one, packed padding-free).
 2. The peer: bergson 2.5.1's `build` on the same model folder, tunes, projection and token
    batch (from a separate venv, `--peer_python`), whole process.
 
@@ -12,7 +14,8 @@ alternating, warmed-up runs), the whole-process wall time and peak memory (max R
     .venv/bin/python bench/bench_build.py --model smollm2-135m --tokens 6000 --repeats 3 \
         --peer_python .venv-peers/bin/python
 
-Tokens are the real (non-padding) tokens of the batches; both sides see identical batches.
+Tokens are the real (non-padding) tokens of the batches; every side sees the same examples in the
+same token batches. The header names the CPU and its ISA features (bench/machine.py).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -36,18 +40,22 @@ from assay.attribution.projection import Projector
 from assay.core.config import DataConfig, ModelConfig
 from assay.core.memory import return_freed_memory
 from assay.core.precision import PrecisionPolicy
-from assay.lm.data import collate, load_examples, token_batches
+from assay.lm.data import bucket_length, load_examples, load_table, token_batches
 from assay.lm.lean import keep_compute_casts
-from assay.lm.losses import example_losses
 from assay.lm.models import load_model, load_tokenizer, resolve_model_path
 
+sys.path.insert(0, str(Path(__file__).parent))
+from floors import FLOORS, available, best, floor_batches, floor_pass, load_floor_models, time_alternating  # noqa: E402
+from machine import header, machine  # noqa: E402
 
-def pick_tunes(tokenizer, target_tokens: int, max_length: int, folder: Path) -> tuple[Path, int]:
-    """The first ABC tunes (train split) that fit `max_length`, until `target_tokens`; as jsonl."""
-    _, examples = load_examples(DataConfig(dataset="abc-tunes", max_length=10**6), tokenizer)
-    from assay.lm.data import load_table
 
-    table = load_table(DataConfig(dataset="abc-tunes"))
+def pick_tunes(
+    tokenizer, target_tokens: int, max_length: int, folder: Path, dataset: str = "abc-tunes"
+) -> tuple[Path, int]:
+    """The first texts (ABC tunes, train split, by default) that fit `max_length`, until
+    `target_tokens`; as jsonl."""
+    _, examples = load_examples(DataConfig(dataset=dataset, max_length=10**6), tokenizer)
+    table = load_table(DataConfig(dataset=dataset))
     chosen, total = [], 0
     for i in range(len(examples)):
         n = int(examples.lengths[i])
@@ -64,19 +72,10 @@ def pick_tunes(tokenizer, target_tokens: int, max_length: int, folder: Path) -> 
     return path, len(chosen)
 
 
-def floor_pass(model, batches, policy) -> None:
-    """A training step without the optimizer: loss, backward into every parameter's .grad."""
-    for batch in batches:
-        with policy.autocast():
-            loss = example_losses(model, batch).sum()
-        loss.backward()
-        model.zero_grad(set_to_none=True)
-
-
 def collect_pass(setup, examples, positions_list) -> np.ndarray:
     rows = np.zeros((len(examples), setup.collector().dim), dtype=np.float32)
     for positions, grads, _, _ in iter_gradients(setup, examples, positions_list):
-        rows[positions] = grads.numpy()
+        rows[positions] = grads.cpu().numpy()
     return rows
 
 
@@ -96,75 +95,108 @@ class Fp32ProjectionSetup(GradientSetup):
 
 
 def loop_benchmark(
-    model_name: str, data: Path, precision: str, tbs: int, repeats: int, p: int, fp32_projection: bool = False
+    model_name: str,
+    data: Path,
+    precision: str,
+    tbs: int,
+    repeats: int,
+    p: int,
+    fp32_projection: bool = False,
+    floors: tuple[str, ...] = ("sdpa", "sdpa-causal"),
+    device: str = "cpu",
 ) -> dict:
-    """Alternate floor and collector passes over the same batches; medians of tokens/s.
+    """Alternate every floor variant and the collector over the same examples and batches;
+    medians of tokens/s. The floor is the fastest variant.
 
-    With `fp32_projection`, a third pass with the fp32-cast projection alternates with them."""
-    return_freed_memory()  # as the `assay` command does; the floor shares the process
-    policy = PrecisionPolicy.resolve(precision, "cpu")
+    With `fp32_projection`, a pass with the fp32-cast projection alternates with them."""
+    return_freed_memory()  # as the `assay` command does; the floors share the process
+    policy = PrecisionPolicy.resolve(precision, device)
     tokenizer = load_tokenizer(ModelConfig(model=model_name))
-    model = load_model(ModelConfig(model=model_name), policy)
     _, examples = load_examples(DataConfig(dataset=str(data)), tokenizer)
     positions_list = token_batches(examples, tbs)
-    batches = [collate(examples, pos, tokenizer.pad_token_id) for pos in positions_list]
-    tokens = int(sum(int(b["attention_mask"].sum()) for b in batches))
+    pad = tokenizer.pad_token_id
+    tokens = int(examples.lengths.sum())
+    runnable = [f for f in floors if available(f, policy.device) is None]
+    models = load_floor_models(model_name, runnable, policy)
     # the collector's own copy, as `assay build` has it: frozen weights kept as their autocast casts
     collected = load_model(ModelConfig(model=model_name), policy)
     keep_compute_casts(collected, policy)
-    setup = GradientSetup(
-        collected, tokenizer, policy, linear_modules(collected), Projector(p), None, tokenizer.pad_token_id
-    )
+    setup = GradientSetup(collected, tokenizer, policy, linear_modules(collected), Projector(p), None, pad)
+    passes = {}
+    for name in runnable:
+        model, batches = (
+            models[FLOORS[name].attention],
+            floor_batches(FLOORS[name], examples, positions_list, pad, policy.device),
+        )
+        passes[f"floor:{name}"] = partial(floor_pass, model, batches, policy)
+    rows: dict[str, np.ndarray] = {}
+
+    def collect(key: str, s: GradientSetup) -> None:
+        rows[key] = collect_pass(s, examples, positions_list)
+
+    passes["ours"] = partial(collect, "ours", setup)
     bf16_inputs = policy.compute_dtype == torch.bfloat16  # the only inputs the default projects as they are
-    cast_setup = Fp32ProjectionSetup(**vars(setup)) if fp32_projection and bf16_inputs else None
-    floor_pass(model, batches, policy)  # warm-up: every shape once, every path
-    rows = collect_pass(setup, examples, positions_list)
-    if cast_setup is not None:
-        collect_pass(cast_setup, examples, positions_list)
-    floor_s, ours_s, cast_s = [], [], []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        floor_pass(model, batches, policy)
-        floor_s.append(time.perf_counter() - t)
-        t = time.perf_counter()
-        rows = collect_pass(setup, examples, positions_list)
-        ours_s.append(time.perf_counter() - t)
-        if cast_setup is not None:
-            t = time.perf_counter()
-            cast_rows = collect_pass(cast_setup, examples, positions_list)
-            cast_s.append(time.perf_counter() - t)
-    f, o = statistics.median(floor_s), statistics.median(ours_s)
+    if fp32_projection and bf16_inputs:
+        passes["fp32_projection"] = partial(collect, "fp32_projection", Fp32ProjectionSetup(**vars(setup)))
+    times = time_alternating(passes, repeats)
+    floor = best(times, [f"floor:{n}" for n in runnable])
+    f, o = statistics.median(times[floor]), statistics.median(times["ours"])
     extra = {}
-    if cast_setup is not None:
+    if "fp32_projection" in times:
         extra = {
-            "fp32_projection_tok_s": tokens / statistics.median(cast_s),
-            "fp32_projection_runs_s": cast_s,
-            "min_cosine_to_fp32_projection": float(cosines(rows, cast_rows).min()),
+            "fp32_projection_tok_s": tokens / statistics.median(times["fp32_projection"]),
+            "fp32_projection_runs_s": times["fp32_projection"],
+            "min_cosine_to_fp32_projection": float(cosines(rows["ours"], rows["fp32_projection"]).min()),
         }
     return {
         **extra,
         "precision": precision,
         "tokens": tokens,
-        "batches": len(batches),
+        "padded_tokens": int(
+            sum(len(b) * bucket_length(int(examples.lengths[b].max())) for b in positions_list)
+        ),
+        "batches": len(positions_list),
+        "floors_tok_s": {
+            n.split(":", 1)[1]: tokens / statistics.median(times[n]) for n in times if n.startswith("floor:")
+        },
+        "floors_skipped": {n: available(n, policy.device) for n in floors if n not in runnable},
+        "floor": floor.split(":", 1)[1],
         "floor_tok_s": tokens / f,
         "ours_tok_s": tokens / o,
         "ours_over_floor_time": o / f,
-        "floor_runs_s": floor_s,
-        "ours_runs_s": ours_s,
-        "rows": rows,
+        "runs_s": times,
+        "rows": rows["ours"],
     }
 
 
+def summary_line(loop: dict) -> str:
+    """One readable line: every floor's tokens/s, which is the floor, the collector against it."""
+    floors = ", ".join(f"{n} {v:,.0f}" for n, v in loop["floors_tok_s"].items())
+    skipped = "".join(f"; {n} skipped ({why})" for n, why in loop["floors_skipped"].items())
+    return (
+        f"{loop['precision']}: floors (tok/s) {floors}{skipped}; floor = {loop['floor']}; "
+        f"assay build loop {loop['ours_tok_s']:,.0f} tok/s "
+        f"= {loop['ours_over_floor_time']:.2f}x the floor's time; "
+        f"padded/real tokens {loop['padded_tokens'] / loop['tokens']:.3f}"
+    )
+
+
 def timed(cmd: list[str], env: dict | None = None) -> dict:
-    """Whole-process wall time (s) and peak RSS (GB) through /usr/bin/time."""
-    full = ["/usr/bin/time", "-f", "TIME %e %M", *cmd]
+    """Whole-process wall time (s) and peak RSS (GB) through /usr/bin/time (wall time alone where
+    it is missing, as on the GPU machine's image)."""
+    have_time = Path("/usr/bin/time").exists()
+    full = ["/usr/bin/time", "-f", "TIME %e %M", *cmd] if have_time else cmd
+    start = time.perf_counter()
     res = subprocess.run(full, capture_output=True, text=True, env=env)
+    wall = time.perf_counter() - start
     if res.returncode != 0:
         print(f"{' '.join(cmd)} failed:\n{res.stderr[-3000:]}", file=sys.stderr)
         return {"error": res.stderr.strip().splitlines()[-1] if res.stderr.strip() else "failed"}
+    if not have_time:
+        return {"wall_s": wall}
     line = [ln for ln in res.stderr.splitlines() if ln.startswith("TIME ")][-1]
-    wall, rss_kb = line.split()[1:]
-    return {"wall_s": float(wall), "peak_gb": int(rss_kb) / 1024**2}
+    wall_s, rss_kb = line.split()[1:]
+    return {"wall_s": float(wall_s), "peak_gb": int(rss_kb) / 1024**2}
 
 
 def process_benchmark(args, data: Path, precision: str, work: Path) -> dict:
@@ -181,6 +213,7 @@ def process_benchmark(args, data: Path, precision: str, work: Path) -> dict:
     ]
     ours_cmd += ["--dataset", str(data), "--precision", precision, "--projection_dim", str(args.p)]
     ours_cmd += ["--token_batch_size", str(args.token_batch_size), "--overwrite", "--threads", "0"]
+    ours_cmd += ["--device", args.device]
     peer_cmd = [
         args.peer_python,
         "-m",
@@ -216,6 +249,8 @@ def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="assay-tiny")
+    ap.add_argument("--dataset", default="abc-tunes", help="where the texts come from (train split)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (the loop and `assay build --device`)")
     ap.add_argument("--tokens", type=int, default=6000, help="ABC-tune tokens to collect")
     ap.add_argument("--max_length", type=int, default=512, help="skip tunes longer than this")
     ap.add_argument("--precisions", nargs="+", default=["fp32", "bf16"])
@@ -224,6 +259,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--process_repeats", type=int, default=2)
     ap.add_argument("--peer_python", default="", help="python of a venv with bergson 2.5.1")
+    ap.add_argument(
+        "--floors",
+        nargs="+",
+        default=["eager", "sdpa", "sdpa-causal", "sdpa-packed"],
+        choices=list(FLOORS),
+        help="plain forward+backward variants timed side by side (bench/floors.py); the fastest is the floor",
+    )
     ap.add_argument("--no_process", action="store_true", help="skip whole-process runs")
     ap.add_argument("--no_loop", action="store_true", help="skip the in-process loop timing")
     ap.add_argument(
@@ -239,21 +281,30 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        data, n = pick_tunes(
-            load_tokenizer(ModelConfig(model=args.model)), args.tokens, args.max_length, work
-        )
+        tokenizer = load_tokenizer(ModelConfig(model=args.model))
+        data, n = pick_tunes(tokenizer, args.tokens, args.max_length, work, args.dataset)
+        info = machine()
+        print(header(info), flush=True)
         print(f"model {args.model}: {n} ABC tunes, threads {torch.get_num_threads()}", flush=True)
-        results = {"model": args.model, "tunes": n, "threads": torch.get_num_threads(), "runs": []}
+        results = {"machine": info, "model": args.model, "tunes": n, "threads": info["threads"], "runs": []}
         rows = {}
         for precision in args.precisions:
             loop: dict = {"precision": precision}
             if not args.no_loop:
                 tbs = args.token_batch_size
                 loop = loop_benchmark(
-                    args.model, data, precision, tbs, args.repeats, args.p, args.fp32_projection
+                    args.model,
+                    data,
+                    precision,
+                    tbs,
+                    args.repeats,
+                    args.p,
+                    args.fp32_projection,
+                    tuple(args.floors),
                 )
                 rows[precision] = loop.pop("rows")
                 print(json.dumps(loop), flush=True)
+                print(summary_line(loop), flush=True)
             if not args.no_process:
                 loop["process"] = process_benchmark(args, data, precision, work)
                 print(json.dumps(loop["process"]), flush=True)
