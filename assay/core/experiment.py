@@ -8,7 +8,6 @@ A rerun with other settings is refused, naming the first setting that differs.
 
 from __future__ import annotations
 
-import fcntl
 import os
 import shutil
 import time
@@ -25,6 +24,7 @@ from assay.core.runs import (
     LOCK_FILE,
     RunFolder,
     first_difference,
+    lock_file,
     read_json,
     write_json,
 )
@@ -77,19 +77,8 @@ def _lock_experiment(root: Path) -> None:
     if root in _HELD:
         return
     root.mkdir(parents=True, exist_ok=True)
-    fd = os.open(root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-        os.close(fd)
-        raise AssayError(
-            f"another assay process (pid {holder}) is running the experiment in {root}; wait for it to "
-            "finish, or choose another folder"
-        ) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, str(os.getpid()).encode(), 0)
-    _HELD[root] = fd
+    busy = f"is running the experiment in {root}; wait for it to finish, or choose another folder"
+    _HELD[root] = lock_file(root / LOCK_FILE, busy)
 
 
 def finish_experiment(root: Path) -> None:

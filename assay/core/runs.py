@@ -210,23 +210,14 @@ class RunFolder:
             created = not self.path.exists()
             self.path.mkdir(parents=True, exist_ok=True)
             lock = self.path / LOCK_FILE
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-                os.close(fd)
-                raise AssayError(
-                    f"another assay process (pid {holder}) is writing {self.path}; wait for it to "
-                    "finish, or choose another output folder"
-                ) from None
+            fd = lock_file(
+                lock, f"is writing {self.path}; wait for it to finish, or choose another output folder"
+            )
             try:
                 same = os.fstat(fd).st_ino == os.stat(lock).st_ino
             except FileNotFoundError:
                 same = False
             if same:
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, str(os.getpid()).encode(), 0)
                 self._lock_fd = fd
                 return created
             os.close(fd)
@@ -291,6 +282,21 @@ class RunFolder:
         self.close()
         shutil.rmtree(old, ignore_errors=True)
         return self.final
+
+
+def lock_file(lock: Path, busy: str) -> int:
+    """A descriptor holding the exclusive flock on `lock` (created if missing), our pid written in
+    it; when another process holds it: AssayError "another assay process (pid P) {busy}"."""
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise AssayError(f"another assay process (pid {holder}) {busy}") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd
 
 
 @contextmanager
