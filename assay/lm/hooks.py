@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from assay.core.errors import AssayError
+from assay.lm.padding import forward_inputs
 
 
 def get_module(model: nn.Module, name: str) -> nn.Module:
@@ -80,7 +81,8 @@ def capture_output(
     """[B, T, d] output of module `hookpoint` on input_ids [B, T]; the forward stops right after it.
 
     The one way assay reads a layer's output (SAE activations, latent queries, the feature
-    browser). The autograd graph is kept unless the caller runs it under torch.no_grad().
+    browser). The autograd graph is kept unless the caller runs it under torch.no_grad(). The
+    padding mask is left out where no real token's output depends on it (`assay.lm.padding`).
     """
     module = get_module(model, hookpoint)
     got: list[torch.Tensor] = []
@@ -90,7 +92,7 @@ def capture_output(
         raise StopForward
 
     with forward_hooks({hookpoint: module}, grab), contextlib.suppress(StopForward):
-        model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        model(**forward_inputs(model, input_ids, attention_mask), use_cache=False)
     if not got:
         raise AssayError(f"module {hookpoint!r} did not run in the model's forward")
     return got[0]

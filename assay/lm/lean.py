@@ -21,7 +21,8 @@ take memory there that the results never depend on:
   `enable_gqa`, which it does on CPU only without a padding mask), and SDPA keeps the copies for
   backward. `grouped_query_attention` has SDPA read the shared heads instead (CPU only, where
   its flash kernel takes a mask with them): the same forward; the key/value gradients summed
-  over each group inside the kernel in fp32 rather than in the compute dtype after it.
+  over each group inside the kernel in fp32 rather than in the compute dtype after it. (Batches
+  that go without a mask, `assay.lm.padding`, get the shared heads from transformers itself.)
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ from assay.core.precision import PrecisionPolicy, full_precision
 from assay.core.progress import Progress
 from assay.lm.data import Examples, collate, token_batches
 from assay.lm.head_loss import chunked_head_losses, fusable_head, head_bypassed
+from assay.lm.padding import forward_inputs
 
 
 def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -24,15 +25,17 @@ def example_losses(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> to
     """[B] summed token loss of each example (the loss whose gradient we attribute).
 
     The head and its loss run chunk-wise where that is exact (see `assay.lm.head_loss`), so
-    the [tokens, vocabulary] logits are never held at once.
+    the [tokens, vocabulary] logits are never held at once; the padding mask is left out where
+    that is exact (see `assay.lm.padding`).
     """
+    inputs = forward_inputs(model, batch["input_ids"], batch.get("attention_mask"))
     head = fusable_head(model)
     if head is not None:
         with head_bypassed(model, head) as captured:
-            model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+            model(**inputs)
         assert captured.hidden is not None
         return chunked_head_losses(captured.hidden, head, batch["labels"])
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    logits = model(**inputs).logits
     with full_precision(logits.device):
         return token_losses(logits, batch["labels"]).sum(dim=1)
 

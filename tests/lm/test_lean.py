@@ -13,7 +13,7 @@ from torch.utils.checkpoint import checkpoint
 import assay.attribution.collector as collector_module
 from assay.attribution.projection import Projector
 from assay.core.precision import PrecisionPolicy
-from assay.lm import lean
+from assay.lm import lean, padding
 from assay.lm.lean import keep_compute_casts, recompute_elementwise
 from tests.helpers import collect_all, random_examples, tiny_gpt2, tiny_llama
 
@@ -110,7 +110,10 @@ def test_compute_casts_touch_only_linear_weights_under_autocast():
 
 @pytest.mark.parametrize("precision, tolerance", [("fp32", 1e-5), ("bf16", 1e-2)])
 def test_grouped_query_attention_matches_repeated_heads(precision, tolerance, monkeypatch):
-    """Only the order of the key/value gradient sums differs: fp32 agrees to rounding."""
+    """Only the order of the key/value gradient sums differs: fp32 agrees to rounding. With the
+    padding mask passed (assay.lm.padding leaves it out of right-padded batches of known causal
+    models, and transformers then shares the heads itself), as for any other model."""
+    monkeypatch.setattr(padding, "mask_needed", lambda model, mask: mask is not None)
     model = _model(tiny_llama, precision)  # 4 query heads share 2 key/value heads
     shared_grads, shared_losses = _rows(model, precision)
     shared_bytes = _kept_bytes(model, precision, monkeypatch)
@@ -119,6 +122,19 @@ def test_grouped_query_attention_matches_repeated_heads(precision, tolerance, mo
     assert torch.equal(shared_losses, repeated_losses)  # the forward is the same
     assert float((shared_grads - repeated_grads).norm() / repeated_grads.norm()) < tolerance
     assert shared_bytes < _kept_bytes(model, precision, monkeypatch)
+
+
+def test_without_the_mask_transformers_shares_key_value_heads_itself(monkeypatch):
+    """A right-padded batch of a Llama goes without its mask: SDPA then reads the shared heads
+    (`enable_gqa`) with or without assay's switch, and keeps less than with the mask (no
+    [B, 1, T, T] mask kept for backward)."""
+    model = tiny_llama()
+    without_mask = _kept_bytes(model, "fp32", monkeypatch)
+    monkeypatch.setattr(collector_module, "grouped_query_attention", lambda d: contextlib.nullcontext())
+    assert _kept_bytes(model, "fp32", monkeypatch) == without_mask  # the switch no longer matters
+    monkeypatch.undo()
+    monkeypatch.setattr(padding, "mask_needed", lambda model, mask: mask is not None)
+    assert without_mask < _kept_bytes(model, "fp32", monkeypatch)  # the switch's, with the mask
 
 
 def test_grouped_query_attention_only_on_cpu_and_restores_the_switch():
