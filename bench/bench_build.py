@@ -246,7 +246,7 @@ def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1) + 1e-30)
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="assay-tiny")
     ap.add_argument("--dataset", default="abc-tunes", help="where the texts come from (train split)")
@@ -278,7 +278,11 @@ def main() -> None:
         "--ours_env", nargs="*", default=[], help="VAR=VALUE set for `assay build` only (e.g. allocator)"
     )
     ap.add_argument("--out", default="", help="write the results as JSON here")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = parser().parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         tokenizer = load_tokenizer(ModelConfig(model=args.model))

@@ -70,7 +70,7 @@ def available(name: str, device: torch.device) -> str | None:
     return None
 
 
-def packed(examples: Examples, positions: np.ndarray, device: torch.device) -> dict[str, torch.Tensor]:
+def packed(examples: Examples, positions: np.ndarray, device: torch.device) -> dict[str, Any]:
     """The batch's examples as one row [1, Σ n_i]: input_ids, position_ids restarting at 0 for each
     example, labels -100 before each example's first loss position (so no target crosses examples)."""
     ids, pos, labels = [], [], []
@@ -83,12 +83,13 @@ def packed(examples: Examples, positions: np.ndarray, device: torch.device) -> d
         "input_ids": torch.cat(ids)[None].to(device),
         "position_ids": torch.cat(pos)[None].to(device),
         "labels": torch.cat(labels)[None].to(device),
+        "use_cache": False,  # transformers looks for packed rows only without a cache
     }
 
 
 def floor_batches(
     floor: Floor, examples: Examples, batches: list[np.ndarray], pad_id: int, device: torch.device
-) -> list[dict[str, torch.Tensor]]:
+) -> list[dict[str, Any]]:
     """The model's keyword inputs plus `labels`, per batch, in the floor's layout."""
     out = []
     for positions in batches:
@@ -102,7 +103,7 @@ def floor_batches(
     return out
 
 
-def floor_pass(model: Any, batches: list[dict[str, torch.Tensor]], policy: PrecisionPolicy) -> None:
+def floor_pass(model: Any, batches: list[dict[str, Any]], policy: PrecisionPolicy) -> None:
     """A training step without the optimizer: loss, backward into every parameter's .grad."""
     for batch in batches:
         inputs = {k: v for k, v in batch.items() if k != "labels"}

@@ -80,12 +80,16 @@ def make(shape: str, out: Path, device: str = "cpu", seed: int = 0) -> Path:
     return out
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("shape", choices=list(SHAPES))
     ap.add_argument("out", type=Path)
     ap.add_argument("--device", default="cpu")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = parser().parse_args()
     make(args.shape, args.out, args.device)
     from safetensors.torch import load_file
 

@@ -1,0 +1,213 @@
+"""The GPU readiness check's steps (run by bench/gpu_check.sh): gradient collection, scoring and SAE
+training on CUDA, each a timed subprocess under its own time limit, with results written to $OUT
+after every step (a step cut short by the device's 10-minute limit still leaves the others').
+
+Steps, on random Llamas (bench/random_model.py; the weights do not matter for speed) and the
+bundled ABC tunes:
+  build-smol   bench/bench_build.py on SmolLM2-135M's shape: every floor (eager, SDPA masked,
+               SDPA causal, packed, flash-attn varlen where installed) against `assay build`'s
+               loop, fp32 and bf16, and one whole `assay build --device cuda` per precision
+  build-1b     the same on Llama-3.2-1B's shape, bf16 only
+  index        `assay build` of all tunes (bf16, fp16 rows, TrackStar statistics) for scoring
+  score-*      `assay score --device cuda` of 16 held-out tunes, trackstar and inner
+  sae, sae-compiled  `assay sae train --device cuda` (TopK, bf16) without and with --compile
+Peers (bergson, SAELens) are not installed on the device image and it has no network: compare
+them on the CPU (bench_build.py --peer_python, bench_sae_peers.py) until their wheels are carried.
+
+    python3 bench/gpu_check.py --device cuda --out $OUT
+    .venv/bin/python bench/gpu_check.py --device cpu --smoke --out /tmp/gpu-smoke    # the CPU path
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from machine import header, machine  # noqa: E402
+
+BENCH = Path(__file__).parent
+
+
+@dataclass
+class Sizes:
+    """How much each step does: the device run's, or the CPU smoke run's."""
+
+    smol_shape: str = "smollm2-135m"
+    big_shape: str | None = "llama-1b"
+    build_tokens: int = 150_000
+    big_tokens: int = 60_000
+    token_batch: int = 8192
+    repeats: int = 2
+    index_samples: int | None = None
+    """Tunes in the index scored (None: the whole train split, 11.7k tunes)."""
+    queries: int = 16
+    sae_tokens: int = 2_000_000
+    sae_hookpoint: str = "model.layers.15"
+    floors: list[str] = field(
+        default_factory=lambda: ["eager", "sdpa", "sdpa-causal", "sdpa-packed", "flash-varlen"]
+    )
+
+
+SMOKE = Sizes(
+    smol_shape="tiny-2m",
+    big_shape=None,
+    build_tokens=1500,
+    token_batch=2048,
+    repeats=1,
+    index_samples=24,
+    queries=2,
+    sae_tokens=16_384,
+    sae_hookpoint="model.layers.2",
+    floors=["sdpa", "sdpa-causal"],
+)
+
+
+def run_step(name: str, cmd: list[str], limit: int, out: Path, results: dict) -> dict:
+    """Run one step under `limit` seconds; record rc, wall time, the end of its output and its
+    summary.json (when the command wrote one); rewrite out/gpu_check.json."""
+    print(f"== {name}: {' '.join(cmd)}", flush=True)
+    start = time.perf_counter()
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=limit)
+        rc, text = res.returncode, res.stdout + res.stderr
+    except subprocess.TimeoutExpired as e:  # what it printed until then (bytes, despite text=True)
+        out_so_far = e.stdout or b""
+        rc, text = 124, out_so_far.decode(errors="replace") if isinstance(out_so_far, bytes) else out_so_far
+    wall = time.perf_counter() - start
+    tail = "\n".join(line for line in text.splitlines() if "it/s]" not in line)[-3000:]
+    print(tail, flush=True)
+    record: dict = {"cmd": cmd, "rc": rc, "wall_s": round(wall, 2), "output_tail": tail[-1500:]}
+    folder = next((Path(c) for c in cmd if c.startswith("/tmp/assay-gpu/run-")), None)
+    if folder is not None and (folder / "summary.json").exists():
+        record["summary"] = json.loads((folder / "summary.json").read_text())
+    results["steps"][name] = record
+    (out / "gpu_check.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+    print(f"== {name}: rc {rc}, {wall:.1f} s", flush=True)
+    return record
+
+
+def steps(sizes: Sizes, device: str, out: Path, work: Path) -> list[tuple[str, list[str], int]]:
+    """(name, command, time limit in s) of every step, in order."""
+    py = sys.executable
+    smol, big = work / "smol", work / "big"
+    todo = [
+        (
+            "model-smol",
+            [py, str(BENCH / "random_model.py"), sizes.smol_shape, str(smol), "--device", device],
+            120,
+        )
+    ]
+    build = [
+        py,
+        str(BENCH / "bench_build.py"),
+        "--device",
+        device,
+        "--token_batch_size",
+        str(sizes.token_batch),
+    ]
+    build += ["--repeats", str(sizes.repeats), "--process_repeats", "1", "--floors", *sizes.floors]
+    todo.append(
+        (
+            "build-smol",
+            [
+                *build,
+                "--model",
+                str(smol),
+                "--tokens",
+                str(sizes.build_tokens),
+                "--precisions",
+                "fp32",
+                "bf16",
+            ]
+            + ["--out", str(out / "build_smol.json")],
+            240,
+        )
+    )
+    index = work / "run-index"
+    cmd = [
+        py,
+        "-m",
+        "assay",
+        "build",
+        str(index),
+        "--model",
+        str(smol),
+        "--dataset",
+        "abc-tunes",
+        "--device",
+        device,
+    ]
+    cmd += ["--precision", "bf16", "--store_dtype", "float16", "--preconditioner", "trackstar", "--overwrite"]
+    cmd += ["--token_batch_size", str(sizes.token_batch)]
+    cmd += ["--max_samples", str(sizes.index_samples)] if sizes.index_samples else []
+    todo.append(("index", cmd, 240))
+    for mode in ("trackstar", "inner"):
+        cmd = [py, "-m", "assay", "score", str(work / f"run-score-{mode}"), "--index", str(index)]
+        cmd += ["--query_dataset", "abc-tunes", "--query_max_samples", str(sizes.queries), "--mode", mode]
+        todo.append((f"score-{mode}", [*cmd, "--device", device, "--overwrite"], 120))
+    for compiled in (False, True):
+        name = "sae-compiled" if compiled else "sae"
+        cmd = [py, "-m", "assay", "sae", "train", str(work / f"run-{name}"), "--model", str(smol)]
+        cmd += ["--dataset", "abc-tunes", "--hookpoint", sizes.sae_hookpoint, "--architecture", "topk"]
+        cmd += ["--training_tokens", str(sizes.sae_tokens), "--precision", "bf16", "--device", device]
+        cmd += ["--browser_latents", "0", "--overwrite", "--compile" if compiled else "--no-compile"]
+        todo.append((name, cmd, 150))
+    if sizes.big_shape:  # last: the most expensive, and the first to go when time runs short
+        todo.append(
+            (
+                "model-big",
+                [py, str(BENCH / "random_model.py"), sizes.big_shape, str(big), "--device", device],
+                120,
+            )
+        )
+        todo.append(
+            (
+                "build-1b",
+                [*build, "--model", str(big), "--tokens", str(sizes.big_tokens), "--precisions", "bf16"]
+                + ["--out", str(out / "build_1b.json")],
+                200,
+            )
+        )
+    return todo
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes: checks the steps run (e.g. on the CPU)")
+    ap.add_argument("--only", nargs="*", default=[], help="run only the steps named (and what they need)")
+    ap.add_argument(
+        "--budget", type=float, default=540, help="seconds for all steps: each is cut to what is left"
+    )
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    work = Path("/tmp/assay-gpu")
+    work.mkdir(parents=True, exist_ok=True)
+    info = machine()
+    print(header(info), flush=True)
+    results: dict = {"machine": info, "device": args.device, "smoke": args.smoke, "steps": {}}
+    deadline = time.perf_counter() + args.budget
+    for name, cmd, limit in steps(SMOKE if args.smoke else Sizes(), args.device, args.out, work):
+        if args.only and name not in args.only and not name.startswith(("model-", "index")):
+            continue
+        left = deadline - time.perf_counter()
+        if left < 20:
+            results["steps"][name] = {"cmd": cmd, "rc": None, "skipped": "out of time"}
+            continue
+        run_step(name, cmd, int(min(limit, left)), args.out, results)
+    (args.out / "gpu_check.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+    failed = [n for n, r in results["steps"].items() if r["rc"] not in (0, None)]
+    ran = sum(r["rc"] is not None for r in results["steps"].values())
+    print(f"gpu check: {ran} of {len(results['steps'])} steps ran; failed: {failed or 'none'}")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""The CPU path of what bench/gpu_check.sh runs on the GPU machine: its commands parse, the floors
+run and mean the same loss, the random models load, the machine record reads the CPU.
+
+(The whole check runs on the CPU with `DEVICE=cpu SMOKE=1 bash bench/gpu_check.sh`: minutes, so
+not here.)"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from assay.cli import parse
+from assay.core.config import ModelConfig
+from assay.lm.data import collate
+from assay.lm.losses import example_losses, token_losses
+from assay.lm.models import load_model
+from bench import bench_build, floors, gpu_check, machine, random_model
+from tests.helpers import FP32, random_examples, tiny_llama
+
+
+@pytest.mark.parametrize("sizes", [gpu_check.Sizes(), gpu_check.SMOKE], ids=["device", "smoke"])
+def test_every_step_of_the_gpu_check_parses(tmp_path, sizes):
+    todo = gpu_check.steps(sizes, "cuda", tmp_path, tmp_path)
+    assert [name for name, _, _ in todo][:2] == ["model-smol", "build-smol"]
+    for name, cmd, limit in todo:
+        assert 0 < limit <= 600, name
+        script = cmd[1]
+        if cmd[1:3] == ["-m", "assay"]:
+            words = 2 if cmd[3] == "sae" else 1
+            cfg, _ = parse(" ".join(cmd[3 : 3 + words]), cmd[3 + words :])
+            assert getattr(cfg, "runtime", cfg).device == "cuda", name
+        elif script.endswith("bench_build.py"):
+            args = bench_build.parser().parse_args(cmd[2:])
+            assert args.device == "cuda" and set(args.floors) <= set(floors.FLOORS)
+        else:
+            assert script.endswith("random_model.py")
+            random_model.parser().parse_args(cmd[2:])
+
+
+def test_machine_record_names_the_cpu_and_its_isa():
+    info = machine.machine()
+    assert info["cpu"] and info["threads"] == torch.get_num_threads()
+    assert set(info["isa"]) <= set(machine.ISA_FLAGS.values())
+    line = machine.header(info)
+    assert line.startswith("CPU: ") and f"{info['threads']} thread(s)" in line
+
+
+def test_floors_compute_the_same_summed_loss_as_assay():
+    """Padded with a mask, padded without one and packed: the same examples, the same loss."""
+    model = tiny_llama(7)
+    examples = random_examples([9, 30, 14, 5], seed=7, loss_start=[1, 4, 1, 2])
+    positions = [np.arange(4)]
+    with torch.no_grad():
+        ref = example_losses(model, collate(examples, positions[0], pad_id=0)).sum()
+        for name in ("sdpa", "sdpa-causal", "sdpa-packed", "eager"):
+            floor = floors.FLOORS[name]
+            model.config._attn_implementation = floor.attention
+            (batch,) = floors.floor_batches(floor, examples, positions, 0, torch.device("cpu"))
+            assert ("attention_mask" in batch) == (floor.layout == "masked")
+            inputs = {k: v for k, v in batch.items() if k != "labels"}
+            got = token_losses(model(**inputs).logits, batch["labels"]).sum()
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5, msg=name)
+    assert floors.available("flash-varlen", torch.device("cpu")) == "flash_attention_2 needs CUDA"
+
+
+def test_floor_pass_is_a_training_step_without_the_optimizer():
+    model = tiny_llama(8)
+    examples = random_examples([6, 11], seed=8)
+    cpu = torch.device("cpu")
+    batches = floors.floor_batches(floors.FLOORS["sdpa-causal"], examples, [np.arange(2)], 0, cpu)
+    seen = []
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: seen.append(p))
+    floors.floor_pass(model, batches, FP32)
+    assert len(seen) == len(list(model.parameters()))  # every weight's gradient was formed
+    assert all(p.grad is None for p in model.parameters())  # and cleared
+
+
+def test_random_model_loads_with_its_tokenizer(tmp_path):
+    folder = random_model.make("tiny-2m", tmp_path / "tiny")
+    model = load_model(ModelConfig(model=str(folder)), FP32)
+    assert 2.0e6 < sum(p.numel() for p in model.parameters()) < 2.3e6
+    assert model.config.max_position_embeddings == 2048
