@@ -84,7 +84,8 @@ def selection_facts(cfg: Any, lay: Any, rows: list[str], agreement: tuple[str, .
         with open(pool_file, encoding="utf-8") as f:
             groups = [json.loads(line).get("collection") for line in f if line.strip()]
         if any(groups):
-            facts["collection_share"] = {row: _shares(groups, ids) for row, ids in chosen.items()}
+            # the table's rows only: the extra selections made for the bf16/fp32 overlap repeat them
+            facts["collection_share"] = {row: _shares(groups, chosen[row]) for row in rows}
             facts["collection_share"]["pool"] = _shares(groups, np.arange(len(groups)))
     return facts
 

@@ -11,6 +11,7 @@ strategy picks from all three.
 from __future__ import annotations
 
 import itertools
+import json
 from dataclasses import replace
 from fractions import Fraction
 
@@ -374,3 +375,25 @@ def test_coverage_beats_typicality_on_unequal_clusters():
         # and every row is nearer a pick than under the typicality ranking (k-center's radius)
         worst = (1 - u @ u[pos].T).min(axis=1).max()
         assert worst < (1 - u @ u[typical].T).min(axis=1).max() / 2, name
+
+
+def test_collection_shares_list_each_table_row_once(tmp_path):
+    """The selections made only for the bf16/fp32 overlap (e.g. gradcos_bf16 beside gradcos) get
+    an overlap figure but no line of their own in the collection table."""
+    from types import SimpleNamespace
+
+    from assay.selection.tables import selection_facts
+
+    pool = tmp_path / "pool.jsonl"
+    pool.write_text("".join(json.dumps({"text": "x", "collection": c}) + "\n" for c in "aabbbb"))
+    picks = {"random": [0, 2], "gradcos": [0, 1], "gradcos_bf16": [0, 1], "gradcos_fp32": [0, 3]}
+    for name, ids in picks.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "selection.jsonl").write_text("".join(json.dumps({"id": i}) + "\n" for i in ids))
+    lay = SimpleNamespace(selection=lambda row, seed: tmp_path / row, data=SimpleNamespace(dataset=str(pool)))
+    facts = selection_facts(
+        SimpleNamespace(seeds=[0]), lay, ["random", "gradcos"], agreement=("gradcos_bf16", "gradcos_fp32")
+    )
+    assert list(facts["collection_share"]) == ["random", "gradcos", "pool"]
+    assert facts["collection_share"]["gradcos"] == {"a": 1.0, "b": 0.0}
+    assert facts["overlap_bf16_fp32"] == {"gradcos": 0.5}
