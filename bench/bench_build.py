@@ -28,6 +28,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -40,12 +43,13 @@ from assay.attribution.projection import Projector
 from assay.core.config import DataConfig, ModelConfig
 from assay.core.memory import return_freed_memory
 from assay.core.precision import PrecisionPolicy
+from assay.lm import padding
 from assay.lm.data import bucket_length, load_examples, load_table, token_batches
 from assay.lm.lean import keep_compute_casts
 from assay.lm.models import load_model, load_tokenizer, resolve_model_path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from floors import FLOORS, available, best, floor_batches, floor_pass, load_floor_models, time_alternating  # noqa: E402
+from floors import FLOORS, available, floor_batches, floor_pass, load_floor_models, time_alternating  # noqa: E402
 from machine import header, machine  # noqa: E402
 
 
@@ -94,79 +98,101 @@ class Fp32ProjectionSetup(GradientSetup):
         )
 
 
-def loop_benchmark(
-    model_name: str,
-    data: Path,
-    precision: str,
-    tbs: int,
-    repeats: int,
-    p: int,
-    fp32_projection: bool = False,
-    floors: tuple[str, ...] = ("sdpa", "sdpa-causal"),
-    device: str = "cpu",
-) -> dict:
-    """Alternate every floor variant and the collector over the same examples and batches;
-    medians of tokens/s. The floor is the fastest variant.
+@dataclass
+class LoopOptions:
+    """What the in-process loop benchmark times."""
 
-    With `fp32_projection`, a pass with the fp32-cast projection alternates with them."""
+    precision: str = "fp32"
+    token_batch_size: int = 2048
+    repeats: int = 3
+    """Alternated timed rounds (after one warm-up round)."""
+    p: int = 16
+    fp32_projection: bool = False
+    """Also time the collector that casts bf16 inputs to fp32 before projecting."""
+    floors: tuple[str, ...] = ("sdpa", "sdpa-causal")
+    device: str = "cpu"
+    masked_collector: bool = False
+    """Also time the collector given the padding mask (what it ran before assay.lm.padding)."""
+    statistic: str = "median"
+    """median, or min (on a loaded machine the least disturbed round)."""
+
+
+def loop_benchmark(model_name: str, data: Path, opt: LoopOptions) -> dict:
+    """Alternate every floor variant and the collector over the same examples and batches;
+    tokens/s of each by `opt.statistic` over rounds. The floor is the fastest variant."""
     return_freed_memory()  # as the `assay` command does; the floors share the process
-    policy = PrecisionPolicy.resolve(precision, device)
+    policy = PrecisionPolicy.resolve(opt.precision, opt.device)
     tokenizer = load_tokenizer(ModelConfig(model=model_name))
     _, examples = load_examples(DataConfig(dataset=str(data)), tokenizer)
-    positions_list = token_batches(examples, tbs)
+    positions_list = token_batches(examples, opt.token_batch_size)
     pad = tokenizer.pad_token_id
     tokens = int(examples.lengths.sum())
-    runnable = [f for f in floors if available(f, policy.device) is None]
+    runnable = [f for f in opt.floors if available(f, policy.device) is None]
     models = load_floor_models(model_name, runnable, policy)
     # the collector's own copy, as `assay build` has it: frozen weights kept as their autocast casts
     collected = load_model(ModelConfig(model=model_name), policy)
     keep_compute_casts(collected, policy)
-    setup = GradientSetup(collected, tokenizer, policy, linear_modules(collected), Projector(p), None, pad)
+    setup = GradientSetup(
+        collected, tokenizer, policy, linear_modules(collected), Projector(opt.p), None, pad
+    )
     passes = {}
     for name in runnable:
-        model, batches = (
-            models[FLOORS[name].attention],
-            floor_batches(FLOORS[name], examples, positions_list, pad, policy.device),
-        )
-        passes[f"floor:{name}"] = partial(floor_pass, model, batches, policy)
+        batches = floor_batches(FLOORS[name], examples, positions_list, pad, policy.device)
+        passes[f"floor:{name}"] = partial(floor_pass, models[FLOORS[name].attention], batches, policy)
     rows: dict[str, np.ndarray] = {}
 
-    def collect(key: str, s: GradientSetup) -> None:
-        rows[key] = collect_pass(s, examples, positions_list)
+    def collect(key: str, s: GradientSetup, masked: bool = False) -> None:
+        with forced_mask() if masked else nullcontext():
+            rows[key] = collect_pass(s, examples, positions_list)
 
     passes["ours"] = partial(collect, "ours", setup)
+    if opt.masked_collector:
+        passes["masked"] = partial(collect, "masked", setup, True)
     bf16_inputs = policy.compute_dtype == torch.bfloat16  # the only inputs the default projects as they are
-    if fp32_projection and bf16_inputs:
+    if opt.fp32_projection and bf16_inputs:
         passes["fp32_projection"] = partial(collect, "fp32_projection", Fp32ProjectionSetup(**vars(setup)))
-    times = time_alternating(passes, repeats)
-    floor = best(times, [f"floor:{n}" for n in runnable])
-    f, o = statistics.median(times[floor]), statistics.median(times["ours"])
-    extra = {}
+    times = time_alternating(passes, opt.repeats)
+    stat = min if opt.statistic == "min" else statistics.median
+    tok_s = {name: tokens / stat(t) for name, t in times.items()}
+    floor = max((f"floor:{n}" for n in runnable), key=lambda n: tok_s[n])
+    extra: dict = {}
     if "fp32_projection" in times:
-        extra = {
-            "fp32_projection_tok_s": tokens / statistics.median(times["fp32_projection"]),
-            "fp32_projection_runs_s": times["fp32_projection"],
-            "min_cosine_to_fp32_projection": float(cosines(rows["ours"], rows["fp32_projection"]).min()),
-        }
+        extra["fp32_projection_tok_s"] = tok_s["fp32_projection"]
+        extra["min_cosine_to_fp32_projection"] = float(cosines(rows["ours"], rows["fp32_projection"]).min())
+    if "masked" in times:
+        extra["masked_collector_tok_s"] = tok_s["masked"]
+        extra["masked_max_rel_diff"] = float(
+            np.abs(rows["masked"] - rows["ours"]).max() / max(np.abs(rows["ours"]).max(), 1e-30)
+        )
     return {
         **extra,
-        "precision": precision,
+        "precision": opt.precision,
+        "statistic": opt.statistic,
         "tokens": tokens,
         "padded_tokens": int(
             sum(len(b) * bucket_length(int(examples.lengths[b].max())) for b in positions_list)
         ),
         "batches": len(positions_list),
-        "floors_tok_s": {
-            n.split(":", 1)[1]: tokens / statistics.median(times[n]) for n in times if n.startswith("floor:")
-        },
-        "floors_skipped": {n: available(n, policy.device) for n in floors if n not in runnable},
+        "floors_tok_s": {n.split(":", 1)[1]: v for n, v in tok_s.items() if n.startswith("floor:")},
+        "floors_skipped": {n: available(n, policy.device) for n in opt.floors if n not in runnable},
         "floor": floor.split(":", 1)[1],
-        "floor_tok_s": tokens / f,
-        "ours_tok_s": tokens / o,
-        "ours_over_floor_time": o / f,
+        "floor_tok_s": tok_s[floor],
+        "ours_tok_s": tok_s["ours"],
+        "ours_over_floor_time": tok_s[floor] / tok_s["ours"],
         "runs_s": times,
         "rows": rows["ours"],
     }
+
+
+@contextmanager
+def forced_mask() -> Iterator[None]:
+    """Within the block, forward passes are given the padding mask even where it is not needed."""
+    saved = padding.mask_needed
+    padding.mask_needed = lambda model, mask: mask is not None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        padding.mask_needed = saved
 
 
 def summary_line(loop: dict) -> str:
@@ -277,6 +303,17 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--ours_env", nargs="*", default=[], help="VAR=VALUE set for `assay build` only (e.g. allocator)"
     )
+    ap.add_argument(
+        "--masked_collector",
+        action="store_true",
+        help="also time the collector given the padding mask (as before assay.lm.padding)",
+    )
+    ap.add_argument(
+        "--statistic",
+        choices=["median", "min"],
+        default="median",
+        help="over the timed rounds; min is the least disturbed round on a loaded machine",
+    )
     ap.add_argument("--out", default="", help="write the results as JSON here")
     return ap
 
@@ -295,17 +332,18 @@ def main() -> None:
         for precision in args.precisions:
             loop: dict = {"precision": precision}
             if not args.no_loop:
-                tbs = args.token_batch_size
-                loop = loop_benchmark(
-                    args.model,
-                    data,
-                    precision,
-                    tbs,
-                    args.repeats,
-                    args.p,
-                    args.fp32_projection,
-                    tuple(args.floors),
+                opt = LoopOptions(
+                    precision=precision,
+                    token_batch_size=args.token_batch_size,
+                    repeats=args.repeats,
+                    p=args.p,
+                    fp32_projection=args.fp32_projection,
+                    floors=tuple(args.floors),
+                    device=args.device,
+                    masked_collector=args.masked_collector,
+                    statistic=args.statistic,
                 )
+                loop = loop_benchmark(args.model, data, opt)
                 rows[precision] = loop.pop("rows")
                 print(json.dumps(loop), flush=True)
                 print(summary_line(loop), flush=True)

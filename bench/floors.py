@@ -18,7 +18,6 @@ Losses are summed next-token cross-entropy of the real tokens, in fp32, as assay
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -138,8 +137,3 @@ def time_alternating(passes: dict[str, Callable[[], Any]], repeats: int) -> dict
             run()
             times[name].append(time.perf_counter() - t)
     return times
-
-
-def best(times: dict[str, list[float]], names: list[str]) -> str:
-    """The fastest of `names` by median time."""
-    return min(names, key=lambda n: statistics.median(times[n]))
