@@ -92,7 +92,7 @@ def capture_output(
         raise StopForward
 
     with forward_hooks({hookpoint: module}, grab), contextlib.suppress(StopForward):
-        model(**forward_inputs(model, input_ids, attention_mask), use_cache=False)
+        model(**{**forward_inputs(model, input_ids, attention_mask), "use_cache": False})
     if not got:
         raise AssayError(f"module {hookpoint!r} did not run in the model's forward")
     return got[0]

@@ -15,6 +15,9 @@ largest part of the gap between `assay build`'s loop and bergson's, which passes
 Only model types known to use the mask for nothing else qualify (`MASK_FREE_MODEL_TYPES`: a
 model that derives positions from the mask, routes tokens with capacity limits, or attends
 bidirectionally somewhere would differ); anything else, and any batch not right-padded, keeps it.
+
+The same forward needs no key/value cache, which transformers builds by default (`use_cache` in
+the config): every layer's keys and values copied into it, held to the end of the forward.
 """
 
 from __future__ import annotations
@@ -63,7 +66,12 @@ def mask_needed(model: Any, attention_mask: torch.Tensor | None) -> bool:
 def forward_inputs(
     model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
 ) -> dict[str, Any]:
-    """Keyword inputs of a forward over a padded batch: input_ids, and the mask where it is needed."""
+    """Keyword inputs of one forward over a padded batch: input_ids, the mask where it is needed,
+    and no key/value cache where the model keeps one by default (transformers would copy every
+    layer's keys and values into it, for a forward that never decodes)."""
+    inputs: dict[str, Any] = {"input_ids": input_ids}
     if mask_needed(model, attention_mask):
-        return {"input_ids": input_ids, "attention_mask": attention_mask}
-    return {"input_ids": input_ids}
+        inputs["attention_mask"] = attention_mask
+    if getattr(getattr(model, "config", None), "use_cache", False):
+        inputs["use_cache"] = False
+    return inputs

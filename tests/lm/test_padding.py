@@ -28,7 +28,8 @@ def test_mask_left_out_only_for_right_padded_batches_of_known_causal_models():
     model = tiny_llama()
     batch = collate(random_examples(LENGTHS), np.arange(5), pad_id=0)
     assert not padding.mask_needed(model, batch["attention_mask"])
-    assert padding.forward_inputs(model, batch["input_ids"], batch["attention_mask"]).keys() == {"input_ids"}
+    inputs = padding.forward_inputs(model, batch["input_ids"], batch["attention_mask"])
+    assert inputs.keys() == {"input_ids", "use_cache"} and inputs["use_cache"] is False
     left = batch["attention_mask"].flip(1)  # left padding: real tokens would see the padding
     assert padding.mask_needed(model, left)
     model.config.model_type = "some_new_model"  # unknown forwards keep their mask
@@ -79,6 +80,29 @@ def masked_autocast_grads(model, examples, names, policy) -> list[dict[str, torc
         loss.backward()
         refs.append({n: model.get_submodule(n).weight.grad.detach().clone() for n in names})
     return refs
+
+
+def test_no_key_value_cache_is_built_for_the_loss(monkeypatch):
+    """transformers copies every layer's keys and values into a cache unless told not to."""
+    import transformers.models.llama.modeling_llama as llama
+
+    built = []
+
+    class CountingCache(llama.DynamicCache):
+        def __init__(self, *args, **kwargs):
+            built.append(1)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(llama, "DynamicCache", CountingCache)
+    model = tiny_llama(6)
+    batch = collate(random_examples(LENGTHS, seed=6), np.arange(5), pad_id=0)
+    with torch.no_grad():
+        model(input_ids=batch["input_ids"])
+        assert built == [1]  # the default builds one
+        with_cache = masked_losses(model, batch)
+        without = example_losses(model, batch)
+    assert len(built) == 2  # example_losses built none
+    torch.testing.assert_close(without, with_cache, rtol=1e-5, atol=1e-5)
 
 
 def test_capture_output_real_tokens_unchanged_without_the_mask():
