@@ -7,6 +7,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 mkdir -p .gpu/cache .whl
+# what a CPU smoke run (DEVICE=cpu SMOKE=1) cached there would only weigh down the device call
+rm -rf .gpu/cache/tokenized .gpu/cache/score-norms
 "$PY" -c "from pathlib import Path; from assay.lm.corpora import prepare; print(prepare('abc-tunes', Path('.gpu/cache')))"
 # pure-Python wheels, pinned to what .venv runs
 for pkg in tyro docstring-parser typeguard; do
