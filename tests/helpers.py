@@ -254,3 +254,18 @@ def kron_solve(mf: ModuleFactors, kind: str, grads: torch.Tensor, delta: float) 
     rhs = grads.to(F64).reshape(grads.shape[0], -1).T
     x = torch.linalg.solve(h + delta * torch.eye(h.shape[0], dtype=F64), rhs)
     return x.T.reshape(grads.shape)
+
+
+# ---- interruptions ----------------------------------------------------------------------------
+def interrupt_on(monkeypatch: Any, module: Any, name: str, call: int) -> None:
+    """Make the `call`-th call of `module.name` raise KeyboardInterrupt, as a kill at that point
+    would stop the run there (the tests then rerun the command and compare)."""
+    real, calls = getattr(module, name), {"n": 0}
+
+    def dies(*args: Any, **kw: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == call:
+            raise KeyboardInterrupt
+        return real(*args, **kw)
+
+    monkeypatch.setattr(module, name, dies)

@@ -20,7 +20,7 @@ from assay.attribution import build as build_mod
 from assay.attribution import index as ix
 from assay.attribution.score import index_cache_path, train_texts
 from assay.cli import main
-from tests.helpers import tiny_llama, write_word_texts
+from tests.helpers import interrupt_on, tiny_llama, write_word_texts
 
 FLAGS = ["--precision", "fp32", "--projection_dim", "4", "--token_batch_size", "1"]
 
@@ -143,18 +143,6 @@ def test_curvature_indexes_are_refused(tmp_path, tiny_model_dir, texts_jsonl, ca
     assert "kfac curvature" in capsys.readouterr().err
 
 
-def _kill_on(monkeypatch, module, name: str, call: int) -> None:
-    real, calls = getattr(module, name), {"n": 0}
-
-    def dies(*args, **kw):
-        calls["n"] += 1
-        if calls["n"] == call:
-            raise KeyboardInterrupt  # like a kill at that point
-        return real(*args, **kw)
-
-    monkeypatch.setattr(module, name, dies)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("where", ["rows", "commit", "between-renames"])
 def test_an_interrupted_append_leaves_the_old_index_and_resumes(grown, tmp_path, monkeypatch, where):
@@ -164,9 +152,9 @@ def test_an_interrupted_append_leaves_the_old_index_and_resumes(grown, tmp_path,
     base = Path(shutil.copytree(root / "base", tmp_path / "base"))
     old_rows = np.asarray(assay.open_index(base).gradients).copy()
     if where == "rows":
-        _kill_on(monkeypatch, build_mod, "_to_store", 3)
+        interrupt_on(monkeypatch, build_mod, "_to_store", 3)
     elif where == "commit":
-        _kill_on(monkeypatch, append_mod, "swap", 1)
+        interrupt_on(monkeypatch, append_mod, "swap", 1)
     else:
 
         def half_swap(out: Path, nxt: Path) -> None:  # killed after swap's first rename

@@ -11,7 +11,7 @@ import pytest
 
 from assay.attribution import stream as stream_mod
 from assay.cli import main
-from tests.helpers import write_word_texts
+from tests.helpers import interrupt_on, write_word_texts
 
 N = 24
 FLAGS = ["--precision", "fp32", "--projection_dim", "4"]
@@ -75,24 +75,12 @@ def test_streamed_scores_equal_build_then_score(corpus, tmp_path, extra, compute
     assert max(sizes.values()) < N * dim * 4 / 4, sizes  # nothing of the corpus's gradients is kept
 
 
-def _kill_on(monkeypatch, name: str, call: int) -> None:
-    real, calls = getattr(stream_mod, name), {"n": 0}
-
-    def dies(*args, **kw):
-        calls["n"] += 1
-        if calls["n"] == call:
-            raise KeyboardInterrupt  # like a kill at that point
-        return real(*args, **kw)
-
-    monkeypatch.setattr(stream_mod, name, dies)
-
-
 @pytest.mark.parametrize("where", [("_score", 4), ("_statistics_pass", 1)], ids=["scoring", "statistics"])
 def test_an_interrupted_stream_resumes_to_the_same_result(corpus, tmp_path, monkeypatch, where):
     _, model, data, _ = corpus
     small = ["--token_batch_size", "64", "--stream_buffer_mib", "0"]  # several batches, none buffered
     assert _stream(tmp_path / "whole", model, data, *small) == 0
-    _kill_on(monkeypatch, *where)
+    interrupt_on(monkeypatch, stream_mod, *where)
     assert _stream(tmp_path / "cut", model, data, *small) == 130
     monkeypatch.undo()
     part = tmp_path / "cut.part"
