@@ -280,7 +280,7 @@ def fit_all(
         return (tokens - tokens_at_start) / max(time.perf_counter() - started, 1e-9)
 
     label = f"sae {cfg.sae.architecture}" + (f" x{len(trainees)}" if len(trainees) > 1 else "")
-    with Progress(total, label, enabled=dist.is_main, initial=start) as bar:
+    with Progress(total, label, enabled=dist.is_main, initial=start, unit="step") as bar:
         for step, x_raw in enumerate(batches.iterate(start), start=start):
             if step >= total:
                 break
