@@ -22,7 +22,6 @@ import argparse
 import hashlib
 import json
 import os
-import platform
 import shutil
 import signal
 import subprocess
@@ -34,6 +33,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from machine import header  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -227,16 +229,6 @@ def crash_points(
     return records
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--commands", nargs="+", default=list(COMMANDS), choices=list(COMMANDS))
@@ -244,7 +236,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", default="assay-tiny")
     args = parser.parse_args()
-    print(f"CPU: {cpu_model()} ({os.cpu_count()} cores); figures are provisional on a shared machine")
+    print(header() + "; figures are provisional on a shared machine")
     for command in args.commands:
         with tempfile.TemporaryDirectory() as tmp:
             start = time.perf_counter()

@@ -53,15 +53,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 from machine import header, machine  # noqa: E402
 
 
-def cpu_model() -> str:
-    """The CPU's model name, for the record (timings depend on it)."""
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return "unknown"
-
-
 def rss_mib() -> float:
     """Resident memory now."""
     with open("/proc/self/status") as f:
@@ -243,7 +234,7 @@ def report(args: argparse.Namespace) -> None:
         p = res["precision"]
         print(f"bf16 vs fp32 aggregate scores (eps {args.adam_eps:g}): Spearman {p['spearman']:.3f}, "
               f"relative L2 {p['rel_l2']:.3f}, top-10 overlap {p['top10_overlap']}/10")  # fmt: skip
-    print(json.dumps({"cpu": cpu_model(), "machine": machine(), "args": vars(args), "results": res}))
+    print(json.dumps({"cpu": machine()["cpu"], "machine": machine(), "args": vars(args), "results": res}))
 
 
 def main() -> None:

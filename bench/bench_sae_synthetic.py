@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -45,17 +44,6 @@ from bench_sae_common import DEAD_WINDOW_STEPS, Timer, batches, load_split, mach
 ARCHS = ("topk", "batchtopk", "matryoshka", "jumprelu", "relu")
 COEFFICIENTS = {"relu": 5.0, "jumprelu": 1.0}  # the same sparsity coefficient for both libraries
 WARMUP, DECAY = 10, 0.2  # Adam's schedule for both libraries (assay's signum: none)
-
-
-def cpu_name() -> str:
-    """The CPU model (figures are provisional: the machine is shared)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 # ---- generate (peers' environment) -------------------------------------------------------
@@ -136,7 +124,7 @@ def protocol(args: argparse.Namespace) -> tuple[list[torch.Tensor], float, int]:
 
 
 def save_line(args: argparse.Namespace, rec: dict[str, Any]) -> None:
-    rec = {**rec, **machine(), "cpu": cpu_name(), "samples": args.samples, "batch": args.batch}
+    rec = {**rec, **machine(), "samples": args.samples, "batch": args.batch}
     print(json.dumps(rec), flush=True)
     with open(args.data / "runs.jsonl", "a") as f:
         f.write(json.dumps(rec) + "\n")
@@ -278,7 +266,7 @@ def score(args: argparse.Namespace) -> None:
             scores[name] = {**score_folder(args.data / "saes" / name, gt), "stamp": stamp}
             cache.write_text(json.dumps(scores, indent=1))
     true_l0 = json.loads((args.data / "eval" / "meta.json").read_text())["true_l0"]
-    print(f"true L0 {true_l0:.1f}; k = {true_k(args.data)}; CPU {cpu_name()}")
+    print(f"true L0 {true_l0:.1f}; k = {true_k(args.data)}; CPU {machine()['cpu']}")
     cols = ["architecture", "library", "precision", "MCC", "F1", "L0", "FVU", "dead (eval)", "dead (train)"]
     print("| " + " | ".join([*cols, "tokens/s"]) + " |")
     print("|---" * (len(cols) + 1) + "|")

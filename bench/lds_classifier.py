@@ -56,7 +56,6 @@ import inspect
 import json
 import logging
 import os
-import platform
 import sys
 import threading
 import time
@@ -72,11 +71,6 @@ from torch.func import functional_call, grad, jacrev, vmap
 from assay.counterfactual.lds import LDSResult, linear_datamodel_score, sample_subsets
 
 sys.path.insert(0, str(Path(__file__).parent))
-try:
-    from machine import header, machine  # the benchmarks' shared record of CPU, ISA and load
-except ImportError:  # an older checkout without bench/machine.py: the CPU's name only
-    header, machine = None, None
-
 from lds_kfac import (  # noqa: E402
     against_kronfluence,
     assay_ekfac,
@@ -87,6 +81,7 @@ from lds_kfac import (  # noqa: E402
     kronfluence_kfac,
     unavailable,
 )
+from machine import header, machine  # noqa: E402  (the benchmarks' shared record of CPU, ISA and load)
 
 
 @dataclass(frozen=True)
@@ -292,34 +287,6 @@ METHODS: dict[str, Callable[..., np.ndarray]] = {
 # The run
 
 
-def cpu_model() -> tuple[str, list[str]]:
-    """The CPU's model name and the ISA flags that decide torch's kernels (timings depend on both)."""
-    name, flags = platform.processor() or "unknown", []
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return name, flags
-    for line in lines:
-        key, _, value = line.partition(":")
-        if key.strip() == "model name":
-            name = value.strip()
-        elif key.strip() == "flags":
-            flags = [f for f in value.split() if f.startswith(("amx", "avx512", "avx2", "fma"))]
-            break
-    return name, flags
-
-
-def machine_record() -> tuple[str, dict]:
-    """(header line, record for the JSON): bench/machine.py's when present, else /proc/cpuinfo's."""
-    if machine is not None and header is not None:
-        info = machine()
-        return header(info), info
-    name, flags = cpu_model()
-    threads = torch.get_num_threads()
-    line = f"CPU: {name}; ISA: {' '.join(flags)}; torch {torch.__version__}, {threads} thread(s)"
-    return line, {"cpu": name, "isa": flags, "torch": torch.__version__, "threads": threads}
-
-
 def release_free_memory() -> None:
     """Hand memory the allocator keeps back to the OS (glibc), so the next method's growth is its own."""
     try:
@@ -443,7 +410,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     logging.getLogger("assay").setLevel(logging.WARNING)  # no progress bars: the table is the output
     recipe = Recipe()
-    line, info = machine_record()
+    info = machine()
+    line = header(info)
     print(line)
     print("figures are provisional: timings on a shared machine are noisy")
     data = make_data(recipe)
