@@ -218,6 +218,19 @@ class Distributed:
             raise AssayError(error)
         return self.broadcast_object(result)
 
+    def on_every_rank(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on every rank (each its own share of some work); if any rank hits an
+        AssayError, every rank raises it (none waits forever at the next collective)."""
+        result, error = None, None
+        try:
+            result = fn(*args)
+        except AssayError as e:
+            error = str(e)
+        error = self.agree(error)
+        if error:
+            raise AssayError(error)
+        return result  # type: ignore[return-value]
+
     def agree(self, error: str | None) -> str | None:
         """The first error any rank hit (or None): lets every rank raise the same AssayError
         instead of some ranks waiting forever at the next collective."""

@@ -19,6 +19,7 @@ from assay.attribution.build import BuildConfig, build_index, setup_from_index
 from assay.attribution.index import open_index
 from assay.attribution.score import ScoreOptions, check_compatible, query_gradients, score_index
 from assay.core.config import DataConfig, ModelConfig, QueryConfig, RuntimeConfig
+from assay.core.distributed import Distributed
 from assay.core.errors import AssayError
 from assay.core.runs import DONE_FILE, read_json, write_json
 from assay.counterfactual.from_run import load_replay, metagradient_scores
@@ -124,8 +125,6 @@ def compute_method(
         return path
     method = METHODS[name]
     start = time.perf_counter()
-    if name == "replay":
-        return _replay_method(setup, precision, pool_ids, query_ids, path)
     index = open_index(build_method_index(setup, method.index, precision))
     built = time.perf_counter() - start
     gradient_setup = setup_from_index(index, setup.runtime.device)
@@ -152,11 +151,52 @@ def compute_method(
     return path
 
 
-def _replay_method(
-    setup: MethodSetup, precision: str, pool_ids: np.ndarray, query_ids: list[Any], path: Path
-) -> Path:
-    """Metagradient scores through the full run itself (its own precision: `precision` must be it)."""
-    start = time.perf_counter()
+REPLAY_QUERY_BATCH = 4
+"""Queries differentiated together in one reverse pass (each adds 3 parameter copies of memory)."""
+
+
+def replay_method(setup: MethodSetup, precision: str, pool_ids: np.ndarray, query_ids: list[Any]) -> Path:
+    """Metagradient scores through the full run itself (its own precision: `precision` must be it).
+
+    The queries go in batches of REPLAY_QUERY_BATCH, each one reverse pass, shared out over the
+    torchrun ranks (each rank replays the run once, alone, then differentiates its batches). Each
+    batch's rows are saved as it finishes (OUT/methods/replay-P.parts/), so an interrupted
+    validation redoes only the unfinished batches. Costs are summed over ranks and resumes.
+    """
+    dist, path = Distributed.current(), scores_path(setup, f"replay-{precision}")
+    if dist.broadcast_object(path.exists()):
+        return path
+    parts = path.with_name(f"{path.stem}.parts")
+    batches = [list(range(i, min(i + REPLAY_QUERY_BATCH, len(query_ids))))
+               for i in range(0, len(query_ids), REPLAY_QUERY_BATCH)]  # fmt: skip
+    todo = dist.broadcast_object([b for b in range(len(batches)) if not _part(parts, b).exists()])
+    mine = [(b, batches[b]) for b in dist.interleave(todo)]
+    dist.on_every_rank(_replay_batches, setup, precision, pool_ids, query_ids, mine, parts)
+    if dist.is_main:
+        _assemble_parts(parts, len(batches), path, precision)
+    dist.barrier()
+    return path
+
+
+def _part(parts: Path, b: int) -> Path:
+    return parts / f"batch-{b:04d}.npy"
+
+
+def _replay_batches(
+    setup: MethodSetup, precision: str, pool_ids: np.ndarray, query_ids: list[Any],
+    batches: list[tuple[int, list[int]]], parts: Path,
+) -> None:  # fmt: skip
+    """Replay the full run once (this process alone), then write each batch's [B, N] scores."""
+    if not batches:
+        return
+    with Distributed.alone():
+        _replay_and_score(setup, precision, pool_ids, query_ids, batches, parts)
+
+
+def _replay_and_score(
+    setup: MethodSetup, precision: str, pool_ids: np.ndarray, query_ids: list[Any],
+    batches: list[tuple[int, list[int]]], parts: Path,
+) -> None:  # fmt: skip
     replayed = load_replay(setup.full_run, setup.runtime.device)
     if replayed.policy.name != precision:
         raise AssayError(
@@ -165,18 +205,35 @@ def _replay_method(
     queries = load_queries(setup.queries, replayed.max_length, replayed.tokenizer)
     if [str(q) for q in queries.ids] != [str(q) for q in query_ids]:
         raise AssayError(f"the queries of replay-{precision} differ from the ground truth's")
-    scores = metagradient_scores(replayed, queries.examples, aggregate=False)
     order = _positions(np.asarray(replayed.train.ids), pool_ids, f"replay-{precision}")
-    path.parent.mkdir(parents=True, exist_ok=True)
+    parts.mkdir(parents=True, exist_ok=True)
+    replay_seconds = replayed.replay_seconds
+    for b, rows in batches:
+        start = time.perf_counter()
+        scores = metagradient_scores(replayed, queries.examples.subset(rows), aggregate=False)
+        target = _part(parts, b)
+        tmp = target.with_name(target.name + ".tmp.npy")
+        np.save(tmp, scores[:, order].astype(np.float32))
+        write_json(target.with_suffix(".json"), {
+            "replay_seconds": replay_seconds, "score_seconds": time.perf_counter() - start,
+        })  # fmt: skip
+        tmp.replace(target)
+        replay_seconds = 0.0  # the forward replay is counted once per process
+
+
+def _assemble_parts(parts: Path, num_batches: int, path: Path, precision: str) -> None:
+    """Stack the batches' rows into methods/replay-P.npy, with their summed costs."""
+    scores = np.concatenate([np.load(_part(parts, b)) for b in range(num_batches)])
+    costs = [read_json(_part(parts, b).with_suffix(".json")) for b in range(num_batches)]
     tmp = path.with_name(path.name + ".tmp.npy")
-    np.save(tmp, scores[:, order].astype(np.float32))
+    np.save(tmp, scores)
     write_json(path.with_suffix(".json"), {
         "method": "replay", "precision": precision, "mode": "replay", "index": None,
-        "summary": METHODS["replay"].summary, "index_seconds": replayed.replay_seconds,
-        "score_seconds": time.perf_counter() - start - replayed.replay_seconds,
+        "summary": METHODS["replay"].summary,
+        "index_seconds": sum(c["replay_seconds"] for c in costs),
+        "score_seconds": sum(c["score_seconds"] for c in costs),
     })  # fmt: skip
     tmp.replace(path)
-    return path
 
 
 def _positions(index_ids: np.ndarray, pool_ids: np.ndarray, label: str) -> np.ndarray:

@@ -8,11 +8,13 @@ Stages, in the experiment folder OUT (written in place, resumable, see core/expe
                                 masks.npy [M, N], outputs.npy [M, Q], ids.npy, ground_truth.json
     index/KIND-PRECISION/       the pool's gradient indexes under full/model (for --methods)
     methods/METHOD-PRECISION.npy  each method's scores [Q, N] in the ground truth's order
+    methods/replay-P.parts/     the metagradient rows of each batch of queries (resumable batch by batch)
     lds.json, lds.md, lds.png   the LDS of every method and of every --scores run
 
 Subset runs replay the full run's visit order restricted to the subset (`--ordered`); under
 torchrun the full run and the subsets are shared out over the ranks, each trained by one
-process alone, so the ground truth is the same as in one process (with the same --threads).
+process alone, so the ground truth is the same as in one process (with the same --threads);
+so are the methods' indexes, and replay's batches of queries.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from assay.core.config import DataConfig, ModelConfig, QueryConfig, RuntimeConfi
 from assay.core.console import note
 from assay.core.distributed import Distributed
 from assay.core.errors import AssayError
-from assay.core.experiment import Stages, finish_experiment, first_difference, open_experiment
+from assay.core.experiment import finish_experiment, first_difference, open_experiment
 from assay.core.runs import CONFIG_FILE, DONE_FILE, config_from_dict, config_to_dict, read_json, write_json
 from assay.counterfactual.ground_truth import (
     GroundTruth,
@@ -39,7 +41,7 @@ from assay.counterfactual.ground_truth import (
     run_subset,
     subset_masks,
 )
-from assay.counterfactual.methods import METHODS, MethodSetup, compute_method
+from assay.counterfactual.methods import METHODS, MethodSetup, compute_method, replay_method, scores_path
 from assay.counterfactual.report import evaluate_all
 from assay.lm.data import load_examples
 from assay.lm.models import load_model, load_tokenizer, setup_runtime
@@ -196,23 +198,57 @@ def _full_run(setup: RetrainSetup, folder: Path) -> None:
             write_json(folder / "full.json", {"outputs": query_losses(model, setup).tolist()})
 
 
+METHOD_COST = {"ekfac": 6.0, "kfac": 3.0, "adam": 1.5, "raw": 1.0}
+"""Rough relative cost of building each kind of index (the abc preset's timings), to share the
+indexes out evenly over torchrun ranks."""
+
+
 def compute_methods(cfg: ValidateConfig, root: Path, truth: GroundTruth) -> list[Path]:
-    """Every --methods × --index_precisions score matrix (each a resumable stage)."""
+    """Every --methods × --index_precisions score matrix, each saved once (resumable).
+
+    Under torchrun the gradient methods are shared out by index (the methods that read one
+    index stay together), each rank computing its share alone; replay shares its query batches."""
     setup = MethodSetup(
         root, ModelConfig(model=str(root / "full" / "model")), root / "full", cfg.data, cfg.queries,
         cfg.runtime, cfg.projection_dim, cfg.token_batch_size, cfg.damping,
     )  # fmt: skip
-    stages, paths = Stages(root), []
-    gradient_methods = [m for m in cfg.methods if m != "replay"]
-    labels: list[tuple[str, str]] = [(m, p) for p in cfg.index_precisions for m in gradient_methods]
+    dist = Distributed.current()
+    groups = index_groups([m for m in cfg.methods if m != "replay"], cfg.index_precisions)
+    mine = [g for g, owner in zip(groups, share_out(groups, dist.world_size)) if owner == dist.rank]
+    dist.on_every_rank(_compute_alone, setup, [label for g in mine for label in g], truth)
+    dist.barrier()
+    paths = [scores_path(setup, f"{name}-{precision}") for g in groups for name, precision in g]
     if "replay" in cfg.methods:  # the run is differentiated at the precision it was trained at
-        labels.append(("replay", str(read_json(root / "full" / "summary.json")["precision"])))
-    for name, precision in labels:
-        label = f"{name}-{precision}"
-        stages.run(f"methods/{label}", root / "methods" / label, compute_method, setup, name, precision,
-                   truth.ids, truth.query_ids)  # fmt: skip
-        paths.append(root / "methods" / f"{label}.npy")
+        precision = str(read_json(root / "full" / "summary.json")["precision"])
+        paths.append(replay_method(setup, precision, truth.ids, truth.query_ids))
     return paths
+
+
+def index_groups(methods: list[str], precisions: tuple[str, ...]) -> list[list[tuple[str, str]]]:
+    """(method, precision) labels grouped by the index they read, costliest group first."""
+    groups: dict[tuple[str, str], list[tuple[str, str]]] = {}
+    for precision in precisions:
+        for name in methods:
+            groups.setdefault((METHODS[name].index, precision), []).append((name, precision))
+    return [groups[k] for k in sorted(groups, key=lambda k: -METHOD_COST.get(k[0], 1.0))]
+
+
+def share_out(groups: list[list[tuple[str, str]]], world_size: int) -> list[int]:
+    """The rank that computes each group: the least loaded so far (same answer on every rank)."""
+    load, owners = [0.0] * world_size, []
+    for group in groups:
+        rank = load.index(min(load))
+        load[rank] += METHOD_COST.get(METHODS[group[0][0]].index, 1.0)
+        owners.append(rank)
+    return owners
+
+
+def _compute_alone(setup: MethodSetup, labels: list[tuple[str, str]], truth: GroundTruth) -> None:
+    with Distributed.alone():
+        for name, precision in labels:
+            if not scores_path(setup, f"{name}-{precision}").exists():
+                note(f"--- method {name}-{precision}")
+            compute_method(setup, name, precision, truth.ids, truth.query_ids)
 
 
 def validate(cfg: ValidateConfig) -> dict[str, Any]:
@@ -228,7 +264,7 @@ def validate(cfg: ValidateConfig) -> dict[str, Any]:
     root = dist.main_only(open_experiment, cfg.out, "validate", cfg, cfg.overwrite, FREE, True)
     cfg = dist.main_only(resolve, cfg, root)
     truth = ground_truth(cfg, root)
-    methods = dist.main_only(_alone, compute_methods, cfg, root, truth)  # small: rank 0 alone
+    methods = compute_methods(cfg, root, truth)
     earlier = sorted((root / "methods").glob("*.npy")) if (root / "methods").exists() else []
     sources = list(dict.fromkeys([*earlier, *methods, *map(Path, cfg.scores)]))
     result = dist.main_only(evaluate_all, root, truth, sources, cfg.bootstrap)
@@ -249,8 +285,3 @@ def _with_saved_settings(cfg: ValidateConfig) -> ValidateConfig:
     saved = config_from_dict(ValidateConfig, read_json(path)["config"])
     note(f"validating with the settings of {cfg.out} (its config.json)")
     return replace(saved, **{k: getattr(cfg, k) for k in (*FREE, "overwrite") if hasattr(cfg, k)})
-
-
-def _alone(fn: Any, *args: Any) -> Any:
-    with Distributed.alone():
-        return fn(*args)

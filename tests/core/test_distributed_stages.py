@@ -71,20 +71,24 @@ def test_coreset_two_processes_equal_one(tmp_path, tiny_model_dir, many_jsonl):
 def test_validate_ground_truth_two_processes_equal_one(tmp_path, tiny_model_dir, many_jsonl):
     """`assay validate` under torchrun: the full run and the subsets are shared out over the
     ranks, each trained by one process alone, so the ground truth (masks and every query's loss)
-    is the one a single process measures, and so are the methods' LDS."""
+    is the one a single process measures; so are the methods (indexes shared out by kind, replay
+    by batch of queries: 5 queries are 2 batches, one per rank) and their LDS."""
     from assay.cli import main
 
     args = ["--model", str(tiny_model_dir), "--dataset", str(many_jsonl), "--precision", "fp32"]
     args += ["--attention", "eager", "--threads", "1", "--max_length", "32", "--num_subsets", "3"]
-    args += ["--query_dataset", str(many_jsonl), "--query_split", "train", "--query_max_samples", "2"]
+    args += ["--query_dataset", str(many_jsonl), "--query_split", "train", "--query_max_samples", "5"]
     args += ["--num_epochs", "1", "--effective_batch_size", "4", "--micro_batch_size", "2"]
-    args += ["--methods", "inner", "--projection_dim", "4"]
+    args += ["--methods", "inner", "kfac", "replay", "--projection_dim", "4"]
     assert main(["validate", str(tmp_path / "one"), *args]) == 0
     ok(torchrun("-m", "assay", "validate", str(tmp_path / "two"), *args))
     one, two = tmp_path / "one" / "ground_truth", tmp_path / "two" / "ground_truth"
     np.testing.assert_array_equal(np.load(two / "masks.npy"), np.load(one / "masks.npy"))
     np.testing.assert_allclose(np.load(two / "outputs.npy"), np.load(one / "outputs.npy"), rtol=1e-6)
     l1, l2 = (json.loads((tmp_path / r / "lds.json").read_text())["results"] for r in ("one", "two"))
-    assert set(l1) == set(l2) == {"inner-fp32"}
-    assert l2["inner-fp32"]["mean"] == pytest.approx(l1["inner-fp32"]["mean"], abs=1e-9)
+    assert set(l1) == set(l2) == {"inner-fp32", "kfac-fp32", "replay-fp32"}
+    for label in l1:
+        assert l2[label]["mean"] == pytest.approx(l1[label]["mean"], abs=1e-9), label
+    parts = sorted(p.name for p in (tmp_path / "two" / "methods" / "replay-fp32.parts").glob("*.npy"))
+    assert parts == ["batch-0000.npy", "batch-0001.npy"]
     assert (tmp_path / "two" / "run.json").exists()

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import assay.counterfactual.methods as methods_mod
 import assay.counterfactual.validate as validate_mod
 from assay.cli import main
 from assay.core.config import DataConfig, ModelConfig, QueryConfig, RuntimeConfig
@@ -157,6 +158,35 @@ def test_a_finished_validation_is_extended_with_more_methods(experiment, monkeyp
     monkeypatch.setattr(validate_mod, "run_subset", lambda *a: pytest.fail("retrained a subset"))
     result = validate(replace(cfg, methods=("cosine",)))
     assert {"inner-fp32", "influence-fp32", "cosine-fp32"} <= set(result["results"])
+
+
+def test_replay_in_validate_resumes_batch_by_batch(experiment, monkeypatch):
+    """--methods replay differentiates the full run batch of queries by batch; a lost batch is
+    redone alone and the rows equal `assay score --finetune`'s."""
+    root, cfg, _ = experiment
+    monkeypatch.setattr(methods_mod, "REPLAY_QUERY_BATCH", 1)  # 2 queries: 2 batches
+    validate(replace(cfg, methods=("replay",)))
+    methods = root / "lds" / "methods"
+    first = np.load(methods / "replay-fp32.npy")
+    (methods / "replay-fp32.npy").unlink()
+    (methods / "replay-fp32.parts" / "batch-0001.npy").unlink()
+    done = []
+    real = methods_mod.metagradient_scores
+    monkeypatch.setattr(
+        methods_mod, "metagradient_scores", lambda r, q, **kw: done.append(len(q)) or real(r, q, **kw)
+    )
+    result = validate(replace(cfg, methods=("replay",)))
+    assert done == [1]  # only the lost batch
+    np.testing.assert_array_equal(np.load(methods / "replay-fp32.npy"), first)
+    assert "replay-fp32" in result["results"]
+    meta = json.loads((methods / "replay-fp32.json").read_text())
+    assert meta["index_seconds"] > 0 and meta["score_seconds"] > 0
+    out, query = (
+        root / "replay-direct",
+        ["--query_dataset", str(root / "query.jsonl"), "--query_split", "train"],
+    )
+    assert main(["score", str(out), "--finetune", str(root / "lds" / "full"), *query, "--save_scores"]) == 0
+    np.testing.assert_allclose(first, np.load(out / "scores.npy"), rtol=1e-4, atol=1e-7)  # ids = rows here
 
 
 def test_another_recipe_is_refused_by_name(experiment, tiny_model_dir):
