@@ -12,7 +12,12 @@ forwards and backwards, the index written before the optimizer step. Each part i
     .venv/bin/python bench/bench_callback.py --model smollm2-135m --steps 8 --batch_size 8 --seq_len 256
     .venv/bin/python bench/bench_callback.py --steps 4 --batch_size 2 --seq_len 32   # assay-tiny: a smoke run
 
-Runs alternate (without, with) `--repeats` times; the texts are random words, every token a target.
+Runs alternate (without, then with the callback once per `--normalizers` entry) `--repeats` times;
+the texts are random words, every token a target. The normalizer decides the hooks' cost: `adam`
+divides each example's full [out, in] gradient by sqrt(v) before projecting it, so the hooks form
+every per-example weight gradient (a second weight-gradient GEMM per layer, as bergson's Adam
+normalizer does too); `adafactor` (the optimizer's Adam moments factored into row and column
+means, bergson's `to_adafactor`) and `none` only project the inputs and output gradients.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -33,6 +39,9 @@ from assay.core.config import ModelConfig
 from assay.core.precision import PrecisionPolicy
 from assay.integrations import GradientCallback, LiveConfig
 from assay.lm.models import load_model, load_tokenizer
+
+sys.path.insert(0, str(Path(__file__).parent))
+from machine import header, machine  # noqa: E402  (bench/ is not a package)
 
 
 class Clock(TrainerCallback):
@@ -72,7 +81,7 @@ def collate(rows: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
-def one_run(opts: argparse.Namespace, tokenizer: Any, with_callback: bool, root: Path) -> dict[str, float]:
+def one_run(opts: argparse.Namespace, tokenizer: Any, normalizer: str | None, root: Path) -> dict[str, float]:
     """Median seconds per step of each part (steps 2.. of the run: step 1 warms up)."""
     model = load_model(ModelConfig(model=opts.model), PrecisionPolicy.resolve("fp32", opts.device)).train()
     args = TrainingArguments(
@@ -82,8 +91,8 @@ def one_run(opts: argparse.Namespace, tokenizer: Any, with_callback: bool, root:
     )  # fmt: skip
     before, after = Clock(), Clock()
     callbacks: list[Any] = [before]
-    if with_callback:
-        config = LiveConfig(projection_dim=opts.projection_dim, overwrite=True)
+    if normalizer is not None:
+        config = LiveConfig(projection_dim=opts.projection_dim, normalizer=normalizer, overwrite=True)  # type: ignore[arg-type]
         callbacks.append(GradientCallback(root / "grads", steps=range(1, opts.steps), config=config))
     callbacks.append(after)
     data = dataset(tokenizer, opts.batch_size * opts.steps, opts.seq_len)
@@ -112,23 +121,33 @@ def main() -> None:
     parser.add_argument("--projection_dim", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--normalizers",
+        nargs="+",
+        default=["adam", "adafactor"],
+        choices=["adam", "adafactor", "none"],
+        help="the callback's normalizer in each run with it (module docstring)",
+    )
     opts = parser.parse_args()
     if opts.steps < 4:
         parser.error(
             "--steps must be at least 4 (a first step without optimizer state, a warm-up, then timed steps)"
         )
     tokenizer = load_tokenizer(ModelConfig(model=opts.model))
-    runs: dict[str, list[dict[str, float]]] = {"without": [], "with": []}
+    print(header(), flush=True)
+    variants: dict[str, str | None] = {"without": None} | {f"with-{n}": n for n in opts.normalizers}
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
     for _ in range(opts.repeats):
-        for name in ("without", "with"):
+        for name, normalizer in variants.items():
             with tempfile.TemporaryDirectory() as tmp:
-                runs[name].append(one_run(opts, tokenizer, name == "with", Path(tmp)))
-    result: dict[str, Any] = {"settings": vars(opts)}
+                runs[name].append(one_run(opts, tokenizer, normalizer, Path(tmp)))
+    result: dict[str, Any] = {"settings": vars(opts), "machine": machine()}
     for name, parts in runs.items():
         result[name] = {k: statistics.median(p[k] for p in parts) for k in parts[0]}
-    base = result["without"]["forward+backward"]
-    result["hook_overhead"] = result["with"]["forward+backward"] / base - 1
-    result["collection_overhead"] = sum(result["with"].values()) / sum(result["without"].values()) - 1
+    base = result["without"]
+    for name in list(variants)[1:]:
+        result[f"{name}:hook_overhead"] = result[name]["forward+backward"] / base["forward+backward"] - 1
+        result[f"{name}:collection_overhead"] = sum(result[name].values()) / sum(base.values()) - 1
     print(json.dumps(result, indent=2))
 
 

@@ -36,7 +36,7 @@ def _cpuinfo() -> tuple[str, set[str]]:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return "", set()
-    model, flags = "", set()
+    model, flags = "", set[str]()
     for line in text.splitlines():
         key, _, value = line.partition(":")
         key = key.strip()
