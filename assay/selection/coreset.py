@@ -69,7 +69,8 @@ class CoresetConfig:
         "kcenter",
         "balanced",
     )
-    """Selection strategies to compare with the full data (see `assay filter --help`)."""
+    """Selection strategies to compare with the full data (see `assay filter --help`). Rerunning a
+    finished experiment with more strategies runs only their stages."""
     index_precisions: tuple[Literal["bf16", "fp32", "fp16"], ...] = ("bf16", "fp32")
     """Precisions the gradient index is built at: TrackStar is retrained once per precision; every
     gradient strategy also selects at each, and the selections' agreement is reported."""
@@ -258,6 +259,11 @@ def finish(cfg: CoresetConfig, lay: Layout, root: Path) -> dict[str, Any]:
     return results
 
 
+FREE = ("strategies",)
+"""Settings a finished experiment may be rerun with: more --strategies run only their own stages
+(the warm-up runs, indexes and earlier selections are reused) and join the tables."""
+
+
 def run_experiment(cfg: CoresetConfig) -> dict[str, Any]:
     """Every stage (resumably), then the tables, the overlap and the plot.
 
@@ -265,7 +271,7 @@ def run_experiment(cfg: CoresetConfig) -> dict[str, Any]:
     rank runs the stages together and returns rank 0's results.
     """
     dist = Distributed.current()
-    root = dist.main_only(open_experiment, cfg.out, "coreset", cfg, cfg.overwrite)
+    root = dist.main_only(open_experiment, cfg.out, "coreset", cfg, cfg.overwrite, FREE, True)
     lay = dist.main_only(resolve_layout, cfg, root)
     run_stages(cfg, lay, Stages(root))
     return dist.main_only(finish, cfg, lay, root)

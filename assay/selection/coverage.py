@@ -11,6 +11,9 @@ small ones out. These strategies spread the selection over the whole pool instea
   twice the best possible (a 2-approximation of k-center).
 - `balanced` ("balanced"): k-means clusters, then the top-scoring rows of each cluster in
   proportion to its size (stratified selection; random within clusters without scores).
+- `typiclust` ("typiclust"): TypiClust (Hacohen et al. 2022): as many k-means clusters as rows to
+  keep, and from each the most *typical* row (the densest: highest mean closeness to its nearest
+  neighbours). Typical within a cluster, and every cluster covered.
 - `deduplicate`: SemDeDup-style removal of near-duplicates (cosine >= a threshold).
 
 Every strategy has the same shape, `(X, k, scores=None, seed=0, options=None) -> Selection`, so a
@@ -58,6 +61,8 @@ __all__ = [
     "facility_location",
     "k_center",
     "select",
+    "typicality",
+    "typiclust",
 ]
 
 
@@ -234,6 +239,64 @@ def balanced(
 
 
 # ---------------------------------------------------------------------------------------------
+# TypiClust
+
+
+@dataclass(frozen=True)
+class TypiclustOptions:
+    """TypiClust: parameters and defaults."""
+
+    neighbours: int = 20
+    """Nearest neighbours a row's typicality is the mean closeness to (TypiClust's K)."""
+    max_clusters: int = 500
+    """Most k-means clusters (their cost grows with rows x clusters); keeping more rows than this
+    takes each cluster's most typical rows in proportion to its size, as `balanced` does."""
+    knn: Literal["auto", "exact", "ivf"] = "auto"
+    """How neighbours are found: exact, ivf (approximate), or auto: exact up to exact_knn_max_rows."""
+    exact_knn_max_rows: int = 10_000
+    """Largest N the auto knn searches exactly."""
+    ivf: IvfOptions = field(default_factory=IvfOptions)
+    """The approximate search's lists and probes."""
+    sample_rows: int = 20_000
+    """Rows the k-means is trained on (a seeded sample); all rows are then assigned."""
+    iterations: int = 20
+    """Lloyd iterations."""
+    chunk_rows: int = 4096
+    """Rows read (and cast to fp32) at a time."""
+
+
+def typicality(rows: Rows, opts: TypiclustOptions, seed: int) -> np.ndarray:
+    """[N] each row's mean closeness (cosine) to its `neighbours` nearest other rows."""
+    width = min(opts.neighbours + 1, rows.n)
+    exact = opts.knn == "exact" or (opts.knn == "auto" and rows.n <= opts.exact_knn_max_rows)
+    knn = exact_knn(rows, width) if exact else ivf_knn(rows, width, opts.ivf, seed)
+    close = np.where(knn.neighbours[:, 1:] >= 0, knn.closeness[:, 1:], np.nan)  # the row itself dropped
+    if close.shape[1] == 0:
+        return np.zeros(rows.n)
+    return np.nan_to_num(np.nanmean(close, axis=1), nan=-1.0)
+
+
+def typiclust(
+    X: Any, k: int, scores: Any = None, seed: int = 0, options: TypiclustOptions | None = None
+) -> Selection:
+    """min(k, max_clusters) k-means clusters of the rows, each giving its most typical rows.
+
+    `scores` replace typicality as the ranking within clusters when given. details: as `balanced`
+    plus typicality [N]."""
+    opts = options or TypiclustOptions()
+    if opts.neighbours < 1 or opts.max_clusters < 1:
+        raise AssayError("neighbours and max_clusters must be >= 1")
+    rows = open_rows(X, k, "cosine", opts.chunk_rows)
+    typical = typicality(rows, opts, seed) if scores is None else check_scores(scores, rows.n)
+    clusters = BalancedOptions(
+        clusters=min(k, opts.max_clusters), sample_rows=opts.sample_rows, iterations=opts.iterations,
+        chunk_rows=opts.chunk_rows,
+    )  # fmt: skip
+    chosen = balanced(X, k, typical, seed, clusters)
+    return Selection(chosen.positions, None, chosen.details | {"typicality": typical})
+
+
+# ---------------------------------------------------------------------------------------------
 # de-duplication
 
 
@@ -294,12 +357,15 @@ def deduplicate(X: Any, scores: Any = None, seed: int = 0, options: DedupOptions
 # registry
 
 Strategy = Callable[..., Selection]
-STRATEGIES: dict[str, Strategy] = {"facility": facility_location, "kcenter": k_center, "balanced": balanced}
+STRATEGIES: dict[str, Strategy] = {
+    "facility": facility_location, "kcenter": k_center, "balanced": balanced, "typiclust": typiclust,
+}  # fmt: skip
 """Name -> strategy, each called as strategy(X, k, scores=None, seed=0, options=None)."""
 OPTIONS: dict[str, type] = {
     "facility": FacilityOptions,
     "kcenter": KCenterOptions,
     "balanced": BalancedOptions,
+    "typiclust": TypiclustOptions,
 }
 """Name -> the strategy's options dataclass."""
 

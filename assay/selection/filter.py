@@ -34,7 +34,7 @@ from assay.core.errors import AssayError
 from assay.core.runs import run_folder, write_json, write_jsonl
 from assay.lm.data import ID_COLUMN, load_table
 from assay.lm.queries import load_queries
-from assay.selection.coverage import DedupOptions
+from assay.selection.coverage import DedupOptions, deduplicate
 from assay.selection.coverage import select as cover
 from assay.selection.similarity import Selection
 from assay.selection.strategies import (
@@ -60,7 +60,8 @@ class FilterConfig:
     runtime: tyro.conf.OmitArgPrefixes[RuntimeConfig] = field(default_factory=RuntimeConfig)
     strategy: StrategyName = "trackstar"
     """random | loss (mean token loss) | gradcos (raw gradient cosine) | trackstar (whitened cosine)
-    | facility (CRAIG: greedy facility location, weighted) | kcenter | balanced (k-means strata)."""
+    | facility (CRAIG: greedy facility location, weighted) | kcenter | balanced (k-means strata)
+    | typiclust (a k-means cluster per kept example, its most typical member)."""
     query: Literal["self", "eval"] = "self"
     """self: the pool is its own query (coreset); eval: a query dataset (targeted selection)."""
     queries: tyro.conf.OmitArgPrefixes[QueryConfig] = field(default_factory=QueryConfig)
@@ -237,7 +238,7 @@ def _top_scores(
         assert index is not None  # pool_index built one
         features = gradient_features(index, cfg.features, folder)
         order = -scores if cfg.lowest else scores  # the best-ranked of near-duplicates is kept
-        kept = cover("dedup", features, 1, order, cfg.runtime.seed, DedupOptions(threshold=cfg.dedup))
+        kept = deduplicate(features, order, cfg.runtime.seed, DedupOptions(threshold=cfg.dedup))
         (folder / FEATURES_FILE).unlink(missing_ok=True)
         candidates = np.sort(kept.positions)
         if len(candidates) < k:

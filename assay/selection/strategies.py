@@ -5,7 +5,7 @@ Two kinds:
   random, loss, gradcos, trackstar. Against the pool itself as the query (coreset selection)
   the gradient ones rank by *typicality*, so a small selection fills with the dominant group.
 - coverage strategies spread the selection over the pool's gradient features (coverage.py,
-  facility.py): facility (CRAIG, with per-example weights), kcenter, balanced.
+  facility.py): facility (CRAIG, with per-example weights), kcenter, balanced, typiclust.
 
 Coverage features: `whitened` (default) are the index rows in TrackStar's whitened space,
 W = (R_train + δI)^(-1/2) per module, unit-normalised, so that no direction with large gradient
@@ -26,7 +26,9 @@ from assay.attribution.kernel import ArrayRows
 from assay.attribution.precondition import MIX_FRACTION
 from assay.attribution.score import auto_chunk_rows, whitening_for
 
-StrategyName = Literal["random", "loss", "gradcos", "trackstar", "facility", "kcenter", "balanced"]
+StrategyName = Literal[
+    "random", "loss", "gradcos", "trackstar", "facility", "kcenter", "balanced", "typiclust"
+]
 Features = Literal["whitened", "raw"]
 WithinName = Literal["random", "loss", "gradcos", "trackstar"]
 
@@ -48,6 +50,7 @@ STRATEGIES: dict[str, Strategy] = {
     "facility": Strategy("coverage", True, "greedy facility location (CRAIG) with per-example weights"),
     "kcenter": Strategy("coverage", True, "greedy k-center: each pick the example farthest from all picks"),
     "balanced": Strategy("coverage", True, "k-means clusters, each kept in proportion to its size"),
+    "typiclust": Strategy("coverage", True, "TypiClust: a k-means cluster per kept example, its densest"),
 }
 GRADIENT_MODES = {"gradcos": "cosine", "trackstar": "trackstar"}
 FEATURES_FILE = "features.npy"

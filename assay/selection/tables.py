@@ -21,6 +21,7 @@ LABELS = {
     "facility": "facility location (CRAIG)",
     "kcenter": "k-center",
     "balanced": "cluster-balanced",
+    "typiclust": "TypiClust",
 }
 
 

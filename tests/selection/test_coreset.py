@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import assay.selection.coreset as coreset_mod
 from assay.core.config import DataConfig, ModelConfig, QueryConfig, RuntimeConfig
 from assay.core.errors import AssayError
 from assay.selection.coreset import CoresetConfig, run_experiment
@@ -108,5 +109,18 @@ def test_experiment_outputs_and_resume(experiment, capsys):
     assert "TrackStar fp32" in (exp / "results.md").read_text()
     stages = json.loads((exp / "stages.json").read_text())
     assert {"full/seed0", "index/fp32", "retrain/random/seed0", "retrain/trackstar_fp32/seed0"} <= set(stages)
-    with pytest.raises(AssayError, match="finished"):
-        run_experiment(cfg)
+    with pytest.raises(AssayError, match="another --fraction"):
+        run_experiment(replace(cfg, fraction=0.2))  # a setting the finished runs depend on
+
+
+def test_a_finished_experiment_is_extended_with_more_strategies(experiment, monkeypatch):
+    """More --strategies run only their own stages (no warm-up, no index, no earlier retraining)."""
+    cfg, _, _ = experiment
+    exp = Path(cfg.out)
+    trained: list[str] = []
+    real = coreset_mod.finetune
+    monkeypatch.setattr(coreset_mod, "finetune", lambda c: trained.append(c.out) or real(c))
+    results = run_experiment(replace(cfg, strategies=("random", "trackstar", "typiclust")))
+    assert trained == [str(exp / "retrain" / "typiclust" / "seed0")]
+    assert {"random", "trackstar_fp32", "typiclust"} <= set(results["rows"])
+    assert "TypiClust" in (exp / "results.md").read_text()

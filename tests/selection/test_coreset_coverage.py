@@ -91,3 +91,21 @@ def test_kcenter_and_balanced_cover_every_kind(pool):
     for strategy in ("kcenter", "balanced"):
         picked = {kinds[i] for i in read_selection(_select(pool, strategy))}
         assert picked == {"tune", "prose", "numbers"}, strategy
+
+
+def test_dedup_keeps_the_top_scores_among_distinct_examples(pool):
+    """`assay filter --dedup C`: near-duplicates (gradient cosine >= C to a better-scored kept
+    example) are dropped before the top scores are taken."""
+    root, data, runtime, model, _ = pool
+    common = dict(model=model, data=data, runtime=runtime, strategy="trackstar", fraction=0.1, features="raw")
+    select(FilterConfig(out=str(root / "top"), index=str(root / "index"), **common))  # type: ignore[arg-type]
+    summary = select(
+        FilterConfig(out=str(root / "top-dedup"), index=str(root / "index"), dedup=0.5, **common)
+    )  # type: ignore[arg-type]
+    top, deduped = read_selection(root / "top"), read_selection(root / "top-dedup")
+    assert 12 <= summary["kept_after_dedup"] < 120 and len(deduped) == 12
+    scores = dict(
+        zip(np.load(root / "top" / "ids.npy").tolist(), np.load(root / "top" / "scores.npy").tolist())
+    )
+    assert [scores[i] for i in deduped] == sorted((scores[i] for i in deduped), reverse=True)  # best first
+    assert set(deduped) != set(top)  # the raw gradients of typical tunes are near-duplicates

@@ -25,12 +25,15 @@ from assay.selection.coverage import (
     DedupOptions,
     FacilityOptions,
     KCenterOptions,
+    TypiclustOptions,
     allocate,
     balanced,
     deduplicate,
     facility_location,
     k_center,
     select,
+    typicality,
+    typiclust,
 )
 from assay.selection.facility import similarity_matrix
 from assay.selection.similarity import IvfOptions, Rows, _homes, exact_knn, ivf_knn
@@ -282,6 +285,39 @@ def test_balanced_takes_top_scores_per_cluster_in_proportion():
     assert again.positions.tolist() == sel.positions.tolist()  # seeded, chunking does not matter
     rand = [balanced(x, 50, seed=s, options=opts).positions.tolist() for s in (5, 5, 6)]
     assert rand[0] == rand[1] != rand[2]
+
+
+# ---------------------------------------------------------------------------------------------
+# TypiClust
+
+
+def test_typicality_is_the_mean_cosine_to_the_nearest_neighbours():
+    x = np.random.default_rng(3).standard_normal((80, 8)).astype(np.float32)
+    got = typicality(Rows(x, "cosine", 16), TypiclustOptions(neighbours=5), seed=0)
+    u = unit64(x)
+    sims = u @ u.T
+    np.fill_diagonal(sims, -np.inf)  # the row itself is not its own neighbour
+    want = np.sort(sims, axis=1)[:, -5:].mean(axis=1)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    approx = typicality(Rows(x, "cosine", 16), TypiclustOptions(neighbours=5, knn="ivf"), seed=0)
+    assert np.corrcoef(approx, want)[0, 1] > 0.9  # the approximate search finds most neighbours
+
+
+def test_typiclust_takes_the_densest_row_of_each_cluster():
+    sizes = [40, 30, 20, 10]
+    x = clustered(sizes, dim=16, seed=4)
+    sel = typiclust(x, 4, seed=1, options=TypiclustOptions(neighbours=5, chunk_rows=32))
+    labels, typical = sel.details["labels"], sel.details["typicality"]
+    assert sorted(np.bincount(labels).tolist()) == sorted(sizes)  # k-means (k = 4) found the clusters
+    assert sorted(labels[sel.positions].tolist()) == [0, 1, 2, 3]  # one from each
+    for pos in sel.positions:
+        members = np.flatnonzero(labels == labels[pos])
+        assert typical[pos] == typical[members].max()  # and it is that cluster's densest
+    assert typiclust(x, 4, seed=1, options=TypiclustOptions(neighbours=5)).positions.tolist() == (
+        sel.positions.tolist()
+    )  # seeded; chunking does not matter
+    more = typiclust(x, 12, seed=1, options=TypiclustOptions(neighbours=5, max_clusters=4))
+    assert len(set(more.positions.tolist())) == 12 and more.details["clusters"] == 4  # capped: by size
 
 
 # ---------------------------------------------------------------------------------------------
