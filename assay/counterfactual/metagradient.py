@@ -182,12 +182,17 @@ def curvature_products(
 
 
 def metagradients(
-    replay: Replay, objective_grads: Sequence[Sequence[torch.Tensor]], weights: torch.Tensor | None = None
+    replay: Replay,
+    objective_grads: Sequence[Sequence[torch.Tensor]],
+    weights: torch.Tensor | None = None,
+    first_step: int = 0,
 ) -> torch.Tensor:
     """[Q, N] fp64 d f_q / d w_i for objectives f_q whose gradients at θ_T are given.
 
     Runs the forward replay first when weights are given or none has run; the model holds θ_T on
     return. All Q objectives share one reverse pass (one recomputation, one graph per micro-batch).
+    `first_step` > 0 differentiates only steps first_step.. (the earlier ones held fixed: the
+    weights an example had there are not attributed), and the reverse pass stops there.
     """
     if not objective_grads:
         raise AssayError("no query objectives to differentiate")
@@ -199,10 +204,13 @@ def metagradients(
     done = 0
     with Progress(len(replay.run.steps), f"metagradients ({len(adjoints)} queries)", unit="step") as bar:
         for start in sorted(replay.checkpoints, reverse=True):
+            if start + replay.interval <= first_step:
+                break
             records = replay.segment(start)
             while records:
                 record = records.pop()  # frees each step's state as soon as it is used
-                reverse_step(replay, start + len(records), record, adjoints, out)
+                if start + len(records) >= first_step:
+                    reverse_step(replay, start + len(records), record, adjoints, out)
                 done += 1
                 bar.set_done(done)
     replay.load(replay.final)

@@ -337,6 +337,28 @@ def test_checkpoint_interval_and_query_batching_do_not_change_results(tmp_path: 
     assert results[0].abs().max() > 0
 
 
+def test_first_step_attributes_only_the_later_steps() -> None:
+    """first_step = S: examples seen only before S get exactly 0; the same result at every
+    checkpoint interval (the reverse pass stops inside a segment); S = 0 is the whole run."""
+    prob = MLPProblem(torch.float32)
+    opt = AdamWSettings(schedule(7, 0.05), (0.9, 0.99), 1e-8, weight_decay=0.1, max_grad_norm=1.0)
+    steps = [np.arange(i * 3, i * 3 + 3) % 24 for i in range(7)]  # 21 visits: examples 21-23 never seen
+    run = TrainingRun(steps, prob.tokens, prob.loss_fn, opt, micro_batch_size=3)
+    start = copy.deepcopy(prob.model)
+    late = []
+    for k in (1, 3):
+        replay = Replay(copy.deepcopy(start), run, checkpoint_every=k)
+        replay.forward()
+        grads = objective_gradients(replay.model, prob.query_fn, [np.arange(2)])
+        late.append(metagradients(replay, grads, first_step=4))
+        whole = metagradients(replay, grads)
+        torch.testing.assert_close(metagradients(replay, grads, first_step=0), whole, rtol=0, atol=0)
+    assert torch.equal(late[0], late[1])
+    assert (late[0][0, :12] == 0).all() and (late[0][0, 12:21] != 0).all()  # steps 0-3 held 0-11
+    torch.testing.assert_close(late[0][0, 12:21], whole[0, 12:21], rtol=0, atol=0)  # seen only late
+    assert (whole[0, :12] != 0).all()
+
+
 def test_bf16_replay_close_to_fp32() -> None:
     """bf16 autocast replay vs fp32 on a tiny random Llama: the same ranking of examples.
 
