@@ -207,8 +207,18 @@ class Distributed:
     def main_only(self, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)` on rank 0 alone (cheap work that writes shared files); every rank returns
         rank 0's result, or raises the AssayError rank 0 hit (none waits forever)."""
+        result = self._together(fn, args, self.is_main)
+        return self.broadcast_object(result)
+
+    def on_every_rank(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on every rank (each its own share of some work); if any rank hits an
+        AssayError, every rank raises it (none waits forever at the next collective)."""
+        return self._together(fn, args, True)  # type: ignore[return-value]
+
+    def _together(self, fn: Callable[..., T], args: tuple[Any, ...], run_here: bool) -> T | None:
+        """fn(*args) where run_here, then the first AssayError of any rank raised on all of them."""
         result, error = None, None
-        if self.is_main:
+        if run_here:
             try:
                 result = fn(*args)
             except AssayError as e:
@@ -216,20 +226,7 @@ class Distributed:
         error = self.agree(error)
         if error:
             raise AssayError(error)
-        return self.broadcast_object(result)
-
-    def on_every_rank(self, fn: Callable[..., T], *args: Any) -> T:
-        """`fn(*args)` on every rank (each its own share of some work); if any rank hits an
-        AssayError, every rank raises it (none waits forever at the next collective)."""
-        result, error = None, None
-        try:
-            result = fn(*args)
-        except AssayError as e:
-            error = str(e)
-        error = self.agree(error)
-        if error:
-            raise AssayError(error)
-        return result  # type: ignore[return-value]
+        return result
 
     def agree(self, error: str | None) -> str | None:
         """The first error any rank hit (or None): lets every rank raise the same AssayError
