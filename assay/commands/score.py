@@ -109,6 +109,11 @@ class ScoreConfig:
     checkpoint_every: int = 1
     """--finetune: keep the training state every k steps during the replay (1: no recomputation on
     the way back, the most memory; larger k trades memory for recomputing k - 1 steps per segment)."""
+    replay_from_step: int = 0
+    """--finetune: differentiate only the steps from this one on, the earlier ones held fixed (the
+    examples' weights there are not attributed). MAGIC's remedy for a non-smooth start: in Adam's
+    first steps the second moments are still tiny, and their exact derivatives can dominate the
+    scores (docs/validation.md measures it)."""
     corpus: tyro.conf.OmitArgPrefixes[CorpusConfig] = field(default_factory=CorpusConfig)
     granularity: Literal["example", "token"] = "example"
     """token: also split the scores of each score column's first --token_proponents proponents over
@@ -136,8 +141,10 @@ class ScoreConfig:
             raise AssayError(f"--token_proponents must be positive, got {self.token_proponents}")
         if self.finetune is not None and (self.query_sae is not None or self.options.search != "exact"):
             raise AssayError("--finetune attributes the queries' losses: no --query_sae, no --search faiss")
-        if self.query_batch_size < 1 or self.checkpoint_every < 0:
-            raise AssayError("--query_batch_size must be >= 1 and --checkpoint_every >= 0")
+        if self.query_batch_size < 1 or self.checkpoint_every < 0 or self.replay_from_step < 0:
+            raise AssayError(
+                "--query_batch_size must be >= 1, --checkpoint_every and --replay_from_step >= 0"
+            )
         if not self.queries.given:
             raise AssayError("give queries: --query_dataset DATASET and/or --query_text TEXT")
         if self.token_batch_size < 1 or self.show < 0:
@@ -264,6 +271,11 @@ def replay_score(cfg: ScoreConfig) -> tuple[dict[str, Any], list[dict], dict[Any
     assert cfg.finetune is not None
     dist = Distributed.current()
     replayed = load_replay(cfg.finetune, cfg.device, cfg.checkpoint_every, cfg.trust_remote_code)
+    steps = len(replayed.replay.run.steps)
+    if cfg.replay_from_step >= steps:
+        raise AssayError(
+            f"--replay_from_step {cfg.replay_from_step} is past the last step of {cfg.finetune} ({steps - 1})"
+        )
     note(f"replayed {cfg.finetune} in {replayed.replay_seconds:.1f} s (final weights within "
          f"{replayed.max_weight_difference:.1g} of the saved ones)")  # fmt: skip
     queries = load_queries(cfg.queries, replayed.max_length, replayed.tokenizer)
@@ -278,6 +290,7 @@ def replay_score(cfg: ScoreConfig) -> tuple[dict[str, Any], list[dict], dict[Any
     texts = texts_by_id(replayed_data(cfg.finetune), listed)
     summary = {
         "finetune": str(cfg.finetune), "mode": "replay", "aggregate": cfg.options.aggregate,
+        "replay_from_step": cfg.replay_from_step,
         "num_queries": len(queries.ids), "num_rows": len(ids), "precision": replayed.policy.name,
         "replay_seconds": replayed.replay_seconds, "score_seconds": seconds,
         "max_weight_difference": replayed.max_weight_difference,
@@ -301,10 +314,13 @@ def _metagradient_columns(cfg: ScoreConfig, replayed: ReplayedRun, queries: Quer
     """[Q, N] per-query metagradient scores, or [1, N] for --aggregate mean (one reverse pass of the
     mean query loss) and max; per-query rows are shared out over torchrun ranks."""
     if cfg.options.aggregate == "mean":
-        return metagradient_scores(replayed, queries.examples, True) / len(queries.ids)
+        first = cfg.replay_from_step
+        return metagradient_scores(replayed, queries.examples, True, first_step=first) / len(queries.ids)
     dist = Distributed.current()
     mine = dist.interleave_array(np.arange(len(queries.ids)))
-    part = metagradient_scores(replayed, queries.examples.subset(mine), False, cfg.query_batch_size)
+    part = metagradient_scores(
+        replayed, queries.examples.subset(mine), False, cfg.query_batch_size, cfg.replay_from_step
+    )
     scores = np.zeros((len(queries.ids), len(replayed.train)))
     for positions, rows in dist.gather((mine, part)):
         scores[positions] = rows

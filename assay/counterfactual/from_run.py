@@ -137,17 +137,19 @@ def _saved_name(name: str, saved: dict[str, torch.Tensor]) -> str | None:
 
 
 def metagradient_scores(
-    replayed: ReplayedRun, queries: Examples, aggregate: bool, query_batch_size: int = 4
+    replayed: ReplayedRun, queries: Examples, aggregate: bool, query_batch_size: int = 4, first_step: int = 0
 ) -> np.ndarray:
     """[Q, N] (or [1, N]) −d f_q / d w_i, f_q the query's summed loss under the run's final model:
     positive = proponent, as `assay score`. The forward replay `load_replay` made is reused;
-    queries are differentiated `query_batch_size` at a time (one reverse pass each)."""
+    queries are differentiated `query_batch_size` at a time (one reverse pass each), through the
+    steps from `first_step` on."""
     loss_fn, _ = lm_loss_fns(queries, replayed.tokenizer.pad_token_id, replayed.policy.device)
     groups = [np.array([q]) for q in range(len(queries))]
     grads = objective_gradients(replayed.replay.model, loss_fn, groups, replayed.policy)
     if aggregate:
         grads = [summed(grads)]
-    batches = range(0, len(grads), query_batch_size)
-    return torch.cat(
-        [-metagradients(replayed.replay, grads[i : i + query_batch_size]) for i in batches]
-    ).numpy()
+    parts = [
+        -metagradients(replayed.replay, grads[i : i + query_batch_size], first_step=first_step)
+        for i in range(0, len(grads), query_batch_size)
+    ]
+    return torch.cat(parts).numpy()

@@ -152,6 +152,33 @@ def test_replay_scores_a_finished_finetune_and_refuses_one_that_does_not_replay(
         pool.write_text(saved)
 
 
+def test_replay_from_step_attributes_only_the_later_steps(experiment, capsys):
+    """`--replay_from_step S` (the first S steps held fixed): examples the run visited only before
+    S score 0, and a step past the run's end is one clear line."""
+    root, _, _ = experiment
+    query = ["--query_dataset", str(root / "query.jsonl"), "--query_split", "train"]
+    full = root / "lds" / "full"
+    out = root / "replay-late"
+    assert (
+        main(["score", str(out), "--finetune", str(full), *query, "--save_scores", "--replay_from_step", "6"])
+        == 0
+    )
+    scores = np.load(out / "scores.npy")
+    epochs = json.loads((full / "order.json").read_text())["epochs"]
+    late = {int(i) for e, ids in enumerate(epochs) for j, i in enumerate(ids) if e * len(ids) + j >= 6 * 4}
+    assert late and (scores[:, sorted(late)] != 0).any() and len(late) < 16  # steps of 4 examples
+    early_only = sorted(set(range(16)) - late)
+    assert (scores[:, early_only] == 0).all()
+    assert json.loads((out / "summary.json").read_text())["replay_from_step"] == 6
+    assert (
+        main(
+            ["score", str(root / "replay-past"), "--finetune", str(full), *query, "--replay_from_step", "99"]
+        )
+        == 2
+    )
+    assert "past the last step" in capsys.readouterr().err
+
+
 def test_a_finished_validation_is_extended_with_more_methods(experiment, monkeypatch):
     """More --methods reuse the ground truth (no retraining) and join the earlier results."""
     root, cfg, _ = experiment
