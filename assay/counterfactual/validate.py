@@ -275,7 +275,8 @@ def validate(cfg: ValidateConfig) -> dict[str, Any]:
 
 def _with_saved_settings(cfg: ValidateConfig) -> ValidateConfig:
     """cfg, or (when cfg names an existing experiment and sets nothing but free settings) the
-    experiment's saved settings with cfg's free ones."""
+    experiment's saved settings with the free ones cfg sets (those it leaves at their defaults
+    keep the saved values: `assay validate OUT --scores RUN` computes no methods afresh)."""
     path = Path(cfg.out) / CONFIG_FILE
     if not path.exists():
         return cfg
@@ -284,4 +285,5 @@ def _with_saved_settings(cfg: ValidateConfig) -> ValidateConfig:
         return cfg  # the user gave the experiment's settings: open_experiment compares them
     saved = config_from_dict(ValidateConfig, read_json(path)["config"])
     note(f"validating with the settings of {cfg.out} (its config.json)")
-    return replace(saved, **{k: getattr(cfg, k) for k in (*FREE, "overwrite") if hasattr(cfg, k)})
+    changed = {k: getattr(cfg, k) for k in (*FREE, "overwrite") if given.get(k) != default.get(k)}
+    return replace(saved, **changed)

@@ -216,6 +216,17 @@ def test_replay_in_validate_resumes_batch_by_batch(experiment, monkeypatch):
     np.testing.assert_allclose(first, np.load(out / "scores.npy"), rtol=1e-4, atol=1e-7)  # ids = rows here
 
 
+def test_free_settings_left_at_their_defaults_keep_the_saved_ones(experiment):
+    """`assay validate OUT --scores RUN` keeps the experiment's methods and precisions (a preset
+    would otherwise expand "no --methods" to every method and compute them all again)."""
+    _, cfg, _ = experiment
+    saved = json.loads((Path(cfg.out) / "config.json").read_text())["config"]
+    again = validate_mod._with_saved_settings(ValidateConfig(out=cfg.out, scores=("x.npy",)))
+    assert list(again.methods) == saved["methods"] and again.methods  # the last run's, not none
+    assert list(again.index_precisions) == saved["index_precisions"]
+    assert again.scores == ("x.npy",) and again.recipe == cfg.recipe
+
+
 def test_another_recipe_is_refused_by_name(experiment, tiny_model_dir):
     root, cfg, _ = experiment
     (root / "lds" / "run.json").unlink(missing_ok=True)
