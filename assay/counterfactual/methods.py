@@ -81,6 +81,8 @@ class MethodSetup:
     projection_dim: int
     token_batch_size: int
     damping: float
+    replay_from_step: int = 0
+    """replay: the first step differentiated (earlier ones held fixed); labelled replay-fromS."""
 
 
 def index_path(setup: MethodSetup, kind: str, precision: str) -> Path:
@@ -163,7 +165,7 @@ def replay_method(setup: MethodSetup, precision: str, pool_ids: np.ndarray, quer
     batch's rows are saved as it finishes (OUT/methods/replay-P.parts/), so an interrupted
     validation redoes only the unfinished batches. Costs are summed over ranks and resumes.
     """
-    dist, path = Distributed.current(), scores_path(setup, f"replay-{precision}")
+    dist, path = Distributed.current(), scores_path(setup, replay_label(setup, precision))
     if dist.broadcast_object(path.exists()):
         return path
     parts = path.with_name(f"{path.stem}.parts")
@@ -173,9 +175,15 @@ def replay_method(setup: MethodSetup, precision: str, pool_ids: np.ndarray, quer
     mine = [(b, batches[b]) for b in dist.interleave(todo)]
     dist.on_every_rank(_replay_batches, setup, precision, pool_ids, query_ids, mine, parts)
     if dist.is_main:
-        _assemble_parts(parts, len(batches), path, precision)
+        _assemble_parts(parts, len(batches), path, precision, setup.replay_from_step)
     dist.barrier()
     return path
+
+
+def replay_label(setup: MethodSetup, precision: str) -> str:
+    """replay-P, or replay-fromS-P when the first S steps are held fixed."""
+    start = f"-from{setup.replay_from_step}" if setup.replay_from_step else ""
+    return f"replay{start}-{precision}"
 
 
 def _part(parts: Path, b: int) -> Path:
@@ -206,11 +214,14 @@ def _replay_and_score(
     if [str(q) for q in queries.ids] != [str(q) for q in query_ids]:
         raise AssayError(f"the queries of replay-{precision} differ from the ground truth's")
     order = _positions(np.asarray(replayed.train.ids), pool_ids, f"replay-{precision}")
+    if setup.replay_from_step >= len(replayed.replay.run.steps):
+        raise AssayError(f"--replay_from_step {setup.replay_from_step} is past the full run's last step")
     parts.mkdir(parents=True, exist_ok=True)
     replay_seconds = replayed.replay_seconds
     for b, rows in batches:
         start = time.perf_counter()
-        scores = metagradient_scores(replayed, queries.examples.subset(rows), aggregate=False)
+        subset = queries.examples.subset(rows)
+        scores = metagradient_scores(replayed, subset, aggregate=False, first_step=setup.replay_from_step)
         target = _part(parts, b)
         tmp = target.with_name(target.name + ".tmp.npy")
         np.save(tmp, scores[:, order].astype(np.float32))
@@ -221,7 +232,7 @@ def _replay_and_score(
         replay_seconds = 0.0  # the forward replay is counted once per process
 
 
-def _assemble_parts(parts: Path, num_batches: int, path: Path, precision: str) -> None:
+def _assemble_parts(parts: Path, num_batches: int, path: Path, precision: str, first_step: int) -> None:
     """Stack the batches' rows into methods/replay-P.npy, with their summed costs."""
     scores = np.concatenate([np.load(_part(parts, b)) for b in range(num_batches)])
     costs = [read_json(_part(parts, b).with_suffix(".json")) for b in range(num_batches)]
@@ -229,7 +240,8 @@ def _assemble_parts(parts: Path, num_batches: int, path: Path, precision: str) -
     np.save(tmp, scores)
     write_json(path.with_suffix(".json"), {
         "method": "replay", "precision": precision, "mode": "replay", "index": None,
-        "summary": METHODS["replay"].summary,
+        "summary": METHODS["replay"].summary + (f", from step {first_step}" if first_step else ""),
+        "replay_from_step": first_step,
         "index_seconds": sum(c["replay_seconds"] for c in costs),
         "score_seconds": sum(c["score_seconds"] for c in costs),
     })  # fmt: skip

@@ -91,6 +91,10 @@ class ValidateConfig:
     """Precisions each method's index and queries are computed at (one LDS row per precision)."""
     projection_dim: int = 16
     """Projection width per side of the methods' indexes."""
+    replay_from_step: int = 0
+    """replay: differentiate only the steps from this one on, the earlier ones held fixed (scores
+    saved as replay-fromS-P). MAGIC's remedy for a non-smooth start: in Adam's first steps the
+    second moments are tiny and their exact derivatives dominate (docs/validation.md)."""
     damping: float = 0.1
     """Damping of the influence methods, as a multiple of the mean eigenvalue (per module)."""
     scores: tuple[str, ...] = ()
@@ -120,11 +124,14 @@ class ValidateConfig:
             raise AssayError(
                 "--pool_size, --query_size, --projection_dim, --token_batch_size and --bootstrap must be >= 1"
             )
-        if self.damping < 0:
-            raise AssayError(f"--damping must be >= 0, got {self.damping}")
+        if self.damping < 0 or self.replay_from_step < 0:
+            raise AssayError("--damping and --replay_from_step must be >= 0")
 
 
-FREE = ("scores", "bootstrap", "threads", "methods", "index_precisions", "damping", "projection_dim")
+FREE = (
+    "scores", "bootstrap", "threads", "methods", "index_precisions", "damping", "projection_dim",
+    "replay_from_step",
+)  # fmt: skip
 """Settings that may change when rerunning a validation: they do not touch the ground truth."""
 
 
@@ -210,7 +217,7 @@ def compute_methods(cfg: ValidateConfig, root: Path, truth: GroundTruth) -> list
     index stay together), each rank computing its share alone; replay shares its query batches."""
     setup = MethodSetup(
         root, ModelConfig(model=str(root / "full" / "model")), root / "full", cfg.data, cfg.queries,
-        cfg.runtime, cfg.projection_dim, cfg.token_batch_size, cfg.damping,
+        cfg.runtime, cfg.projection_dim, cfg.token_batch_size, cfg.damping, cfg.replay_from_step,
     )  # fmt: skip
     dist = Distributed.current()
     groups = index_groups([m for m in cfg.methods if m != "replay"], cfg.index_precisions)

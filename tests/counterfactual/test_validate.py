@@ -155,7 +155,7 @@ def test_replay_scores_a_finished_finetune_and_refuses_one_that_does_not_replay(
 def test_replay_from_step_attributes_only_the_later_steps(experiment, capsys):
     """`--replay_from_step S` (the first S steps held fixed): examples the run visited only before
     S score 0, and a step past the run's end is one clear line."""
-    root, _, _ = experiment
+    root, cfg, _ = experiment
     query = ["--query_dataset", str(root / "query.jsonl"), "--query_split", "train"]
     full = root / "lds" / "full"
     out = root / "replay-late"
@@ -170,6 +170,11 @@ def test_replay_from_step_attributes_only_the_later_steps(experiment, capsys):
     early_only = sorted(set(range(16)) - late)
     assert (scores[:, early_only] == 0).all()
     assert json.loads((out / "summary.json").read_text())["replay_from_step"] == 6
+    result = validate(replace(cfg, methods=("replay",), replay_from_step=6))  # the same, in validate
+    np.testing.assert_allclose(
+        np.load(full.parent / "methods" / "replay-from6-fp32.npy"), scores, rtol=1e-4, atol=1e-7
+    )
+    assert result["results"]["replay-from6-fp32"]["replay_from_step"] == 6
     assert (
         main(
             ["score", str(root / "replay-past"), "--finetune", str(full), *query, "--replay_from_step", "99"]
