@@ -222,8 +222,7 @@ def compute_methods(cfg: ValidateConfig, root: Path, truth: GroundTruth) -> list
     dist = Distributed.current()
     groups = index_groups([m for m in cfg.methods if m != "replay"], cfg.index_precisions)
     mine = [g for g, owner in zip(groups, share_out(groups, dist.world_size)) if owner == dist.rank]
-    dist.on_every_rank(_compute_alone, setup, [label for g in mine for label in g], truth)
-    dist.barrier()
+    dist.on_every_rank(_compute_alone, setup, [label for g in mine for label in g], truth)  # ends together
     paths = [scores_path(setup, f"{name}-{precision}") for g in groups for name, precision in g]
     if "replay" in cfg.methods:  # the run is differentiated at the precision it was trained at
         precision = str(read_json(root / "full" / "summary.json")["precision"])

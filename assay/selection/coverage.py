@@ -35,6 +35,7 @@ from assay.core.errors import AssayError
 from assay.selection.facility import FacilityOptions, facility_location
 from assay.selection.similarity import (
     IvfOptions,
+    Knn,
     Metric,
     Rows,
     Selection,
@@ -267,9 +268,7 @@ class TypiclustOptions:
 
 def typicality(rows: Rows, opts: TypiclustOptions, seed: int) -> np.ndarray:
     """[N] each row's mean closeness (cosine) to its `neighbours` nearest other rows."""
-    width = min(opts.neighbours + 1, rows.n)
-    exact = opts.knn == "exact" or (opts.knn == "auto" and rows.n <= opts.exact_knn_max_rows)
-    knn = exact_knn(rows, width) if exact else ivf_knn(rows, width, opts.ivf, seed)
+    knn = _neighbours(rows, opts, seed)
     close = np.where(knn.neighbours[:, 1:] >= 0, knn.closeness[:, 1:], np.nan)  # the row itself dropped
     if close.shape[1] == 0:
         return np.zeros(rows.n)
@@ -328,9 +327,7 @@ def deduplicate(X: Any, scores: Any = None, seed: int = 0, options: DedupOptions
     """
     opts = options or DedupOptions()
     rows = open_rows(X, 1, "cosine", opts.chunk_rows)
-    width = min(opts.neighbours + 1, rows.n)
-    exact = opts.knn == "exact" or (opts.knn == "auto" and rows.n <= opts.exact_knn_max_rows)
-    knn = exact_knn(rows, width) if exact else ivf_knn(rows, width, opts.ivf, seed)
+    knn = _neighbours(rows, opts, seed)
     rank = check_scores(scores, rows.n) if scores is not None else np.zeros(rows.n)
     visit = np.lexsort((np.arange(rows.n), -rank))
     near = (knn.closeness >= opts.threshold) & (knn.neighbours >= 0)  # [N, K+1]
@@ -351,6 +348,13 @@ def deduplicate(X: Any, scores: Any = None, seed: int = 0, options: DedupOptions
     return Selection(
         picks.astype(np.int64), weights, {"dropped": rows.n - len(picks), "threshold": opts.threshold}
     )
+
+
+def _neighbours(rows: Rows, opts: DedupOptions | TypiclustOptions, seed: int) -> Knn:
+    """Each row's `opts.neighbours` nearest rows (and itself first): exact, or an IVF search."""
+    width = min(opts.neighbours + 1, rows.n)
+    exact = opts.knn == "exact" or (opts.knn == "auto" and rows.n <= opts.exact_knn_max_rows)
+    return exact_knn(rows, width) if exact else ivf_knn(rows, width, opts.ivf, seed)
 
 
 # ---------------------------------------------------------------------------------------------
