@@ -43,7 +43,7 @@ from assay.core.config import DataConfig, ModelConfig
 from assay.core.memory import return_freed_memory
 from assay.core.precision import PrecisionPolicy
 from assay.counterfactual import metagradient as mg
-from assay.counterfactual.replay import AdamWSettings, Replay, TrainingRun, finetune_order
+from assay.counterfactual.replay import AdamWSettings, Replay, TrainingRun, balanced_interval, finetune_order
 from assay.lm.data import load_examples
 from assay.lm.models import load_model, load_tokenizer
 from assay.training.finetune import optimizer_update, train_step
@@ -138,7 +138,8 @@ def reverse_once(setup: Setup, args: argparse.Namespace, q: int) -> dict[str, An
     """Forward replay + one reverse pass for q queries (q = 1: their aggregate); seconds and breakdown."""
     folder = tempfile.TemporaryDirectory() if args.offload else None
     offload = Path(folder.name) if folder else None
-    replay = Replay(copy.deepcopy(setup.model), setup.run(args), args.checkpoint_every, offload)
+    k = balanced_interval(len(setup.steps)) if args.checkpoint_every < 0 else args.checkpoint_every
+    replay = Replay(copy.deepcopy(setup.model), setup.run(args), k, offload)
     start = time.perf_counter()
     replay.forward()
     forward_s = time.perf_counter() - start
@@ -158,7 +159,8 @@ def reverse_once(setup: Setup, args: argparse.Namespace, q: int) -> dict[str, An
         Replay.segment, mg.curvature_products, mg.gradient_adjoint = saved  # type: ignore[method-assign]
         if folder is not None:
             folder.cleanup()
-    return {"forward_s": forward_s, "reverse_s": reverse_s, "parts": dict(parts), "scores": scores.numpy()}
+    return {"forward_s": forward_s, "reverse_s": reverse_s, "parts": dict(parts), "scores": scores.numpy(),
+            "checkpoint_every": k}  # fmt: skip
 
 
 def phase(args: argparse.Namespace) -> dict[str, Any]:
@@ -223,7 +225,8 @@ def report(args: argparse.Namespace) -> None:
         q = 1 if name == "reverse1" else args.queries
         work, train_work = r["peak_mib"] - r["base_mib"], train["peak_mib"] - train["base_mib"]
         parts = ", ".join(f"{k} {v:.2f} s" for k, v in sorted(r["parts"].items()))
-        print(f"Q={q}{' (aggregate)' if q == 1 else ''}: forward replay {r['forward_s']:.2f} s "
+        label = f"Q={q}{' (aggregate)' if q == 1 else ''}, k={r['checkpoint_every']}"
+        print(f"{label}: forward replay {r['forward_s']:.2f} s "
               f"({r['forward_s'] / train['seconds']:.2f}x training); reverse {r['reverse_s']:.2f} s "
               f"({r['reverse_s'] / train['seconds']:.2f}x training, "
               f"{r['reverse_s'] / r['forward_s']:.2f}x the forward replay in this process; {parts}); "
@@ -250,7 +253,9 @@ def main() -> None:
     ap.add_argument("--max_length", type=int, default=256)
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--adam_eps", type=float, default=1e-8)
-    ap.add_argument("--checkpoint_every", type=int, default=1, help="k (0: only the start)")
+    ap.add_argument(
+        "--checkpoint_every", type=int, default=-1, help="k (-1: ⌈√T⌉, assay's default; 0: only the start)"
+    )
     ap.add_argument("--offload", type=int, default=0, help="1: checkpoints in files, not memory")
     ap.add_argument("--precision", default="fp32")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")

@@ -106,9 +106,10 @@ class ScoreConfig:
     trust_remote_code: bool = False
     """Run code shipped with the index's (or --finetune run's) model. Only this flag turns it on:
     a folder's saved settings never do."""
-    checkpoint_every: int = 1
-    """--finetune: keep the training state every k steps during the replay (1: no recomputation on
-    the way back, the most memory; larger k trades memory for recomputing k - 1 steps per segment)."""
+    checkpoint_every: int | None = None
+    """--finetune: keep the training state every k steps during the replay. Default ⌈√T⌉ for a run
+    of T steps: about 2√T states in memory for one extra forward replay of time. 1: no
+    recomputation on the way back, T states (the most memory); 0: only the start."""
     replay_from_step: int = 0
     """--finetune: differentiate only the steps from this one on, the earlier ones held fixed (the
     examples' weights there are not attributed). MAGIC's remedy for a non-smooth start: in Adam's
@@ -141,7 +142,7 @@ class ScoreConfig:
             raise AssayError(f"--token_proponents must be positive, got {self.token_proponents}")
         if self.finetune is not None and (self.query_sae is not None or self.options.search != "exact"):
             raise AssayError("--finetune attributes the queries' losses: no --query_sae, no --search faiss")
-        if self.query_batch_size < 1 or self.checkpoint_every < 0 or self.replay_from_step < 0:
+        if self.query_batch_size < 1 or (self.checkpoint_every or 0) < 0 or self.replay_from_step < 0:
             raise AssayError(
                 "--query_batch_size must be >= 1, --checkpoint_every and --replay_from_step >= 0"
             )

@@ -22,7 +22,7 @@ from assay.core.errors import AssayError
 from assay.core.precision import PrecisionPolicy
 from assay.core.runs import CONFIG_FILE, DONE_FILE, config_from_dict, read_json
 from assay.counterfactual.metagradient import lm_loss_fns, metagradients, objective_gradients, summed
-from assay.counterfactual.replay import AdamWSettings, Replay, TrainingRun, finetune_order
+from assay.counterfactual.replay import AdamWSettings, Replay, TrainingRun, balanced_interval, finetune_order
 from assay.lm.data import Examples
 from assay.lm.models import load_model, load_tokenizer, setup_runtime
 from assay.training.finetune import FinetuneConfig, prepare_data
@@ -70,9 +70,10 @@ def _finetune_config(run_dir: Path, trust_remote_code: bool) -> FinetuneConfig:
     return cfg
 
 
-def load_replay(run_dir: str | Path, device: str = "auto", checkpoint_every: int = 1,
+def load_replay(run_dir: str | Path, device: str = "auto", checkpoint_every: int | None = None,
                 trust_remote_code: bool = False, offload: Path | None = None) -> ReplayedRun:  # fmt: skip
     """Rebuild the run (data, order, recipe, θ_0), replay it and check the final weights.
+    `checkpoint_every` None keeps a checkpoint every ⌈√T⌉ steps (`balanced_interval`).
     `trust_remote_code` comes from the caller's command line, never from the run's saved config."""
     run_dir = Path(run_dir)
     cfg = _finetune_config(run_dir, trust_remote_code)
@@ -91,7 +92,8 @@ def load_replay(run_dir: str | Path, device: str = "auto", checkpoint_every: int
     loss_fn, curvature = lm_loss_fns(data.train, tokenizer.pad_token_id, policy.device)
     run = TrainingRun(ordered, data.train.num_loss_tokens(), loss_fn, opt, cfg.recipe.micro_batch_size,
                       policy, curvature_loss_fn=curvature, curvature_micro_batch_size=2)  # fmt: skip
-    replay = Replay(model, run, checkpoint_every=checkpoint_every, offload=offload)
+    interval = balanced_interval(len(ordered)) if checkpoint_every is None else checkpoint_every
+    replay = Replay(model, run, checkpoint_every=interval, offload=offload)
     start = time.perf_counter()
     replay.forward()
     seconds = time.perf_counter() - start

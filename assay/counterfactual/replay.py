@@ -19,6 +19,7 @@ See `metagradient.py` for the time/memory trade-off.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -40,6 +41,15 @@ RECORD_KEYS = ("params", "exp_avg", "exp_avg_sq", "grads")
 
 CLIP_EPS = 1e-6
 """What `torch.nn.utils.clip_grad_norm_` adds to the norm before dividing (clip = M / (n + 1e-6))."""
+
+
+def balanced_interval(num_steps: int) -> int:
+    """⌈√T⌉ steps per segment: the checkpoint interval that keeps the fewest states.
+
+    The forward replay keeps T/k checkpoints and the reverse pass one segment of k states, so
+    memory grows as T/k + k, least at k = √T (about 2√T states instead of T at k = 1), for one
+    extra forward replay of time: each segment is recomputed once on the way back."""
+    return max(1, math.ceil(math.sqrt(num_steps)))
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from assay.counterfactual.metagradient import (
     replay_scores,
     summed,
 )
-from assay.counterfactual.replay import AdamWSettings, Replay, TrainingRun, finetune_order
+from assay.counterfactual.replay import AdamWSettings, Replay, TrainingRun, balanced_interval, finetune_order
 from assay.lm.data import Examples, collate
 from assay.training.schedule import lr_factor
 from tests.helpers import tiny_llama
@@ -335,6 +335,14 @@ def test_checkpoint_interval_and_query_batching_do_not_change_results(tmp_path: 
     aggregate = metagradients(replay, [summed(grads)])[0]
     torch.testing.assert_close(aggregate, results[0].sum(0), rtol=1e-5, atol=1e-8)
     assert results[0].abs().max() > 0
+
+
+def test_balanced_interval_keeps_the_fewest_states() -> None:
+    """The default checkpoint interval minimises the states held at once: ⌈T/k⌉ checkpoints from the
+    forward replay plus one segment of k on the way back (ties go to the smallest k)."""
+    for steps in (1, 2, 7, 16, 17, 75, 1000):
+        held = {k: -(-steps // k) + k for k in range(1, steps + 1)}
+        assert held[balanced_interval(steps)] == min(held.values()), steps
 
 
 def test_first_step_attributes_only_the_later_steps() -> None:
