@@ -85,8 +85,25 @@ class MethodSetup:
     """replay: the first step differentiated (earlier ones held fixed); labelled replay-fromS."""
 
 
+DEFAULT_PROJECTION = 16
+"""Projection width per side of the methods' indexes unless told otherwise."""
+DEFAULT_DAMPING = 0.1
+"""Damping of the influence methods (× each module's mean eigenvalue) unless told otherwise."""
+
+
+def _projection_tag(setup: MethodSetup) -> str:
+    return "" if setup.projection_dim == DEFAULT_PROJECTION else f"-p{setup.projection_dim}"
+
+
+def method_label(setup: MethodSetup, name: str, precision: str) -> str:
+    """NAME-PRECISION, tagged -pP for another projection width and -dD for an influence method's
+    other damping: scores made with other settings are rows of their own, never a stale reuse."""
+    damping = METHODS[name].mode == "influence" and setup.damping != DEFAULT_DAMPING
+    return f"{name}{_projection_tag(setup)}{f'-d{setup.damping:g}' if damping else ''}-{precision}"
+
+
 def index_path(setup: MethodSetup, kind: str, precision: str) -> Path:
-    return setup.root / "index" / f"{kind}-{precision}"
+    return setup.root / "index" / f"{kind}{_projection_tag(setup)}-{precision}"
 
 
 def build_method_index(setup: MethodSetup, kind: str, precision: str) -> Path:
@@ -120,8 +137,8 @@ def compute_method(
     setup: MethodSetup, name: str, precision: str, pool_ids: np.ndarray, query_ids: list[Any]
 ) -> Path:
     """[Q, N] scores of method `name` at `precision` in the ground truth's order, saved as
-    OUT/methods/NAME-PRECISION.npy (+ .json with how long it took). Reused when already there."""
-    label = f"{name}-{precision}"
+    OUT/methods/LABEL.npy (`method_label`; + .json with how long it took). Reused when already there."""
+    label = method_label(setup, name, precision)
     path = scores_path(setup, label)
     if path.exists():
         return path

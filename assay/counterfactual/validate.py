@@ -41,7 +41,16 @@ from assay.counterfactual.ground_truth import (
     run_subset,
     subset_masks,
 )
-from assay.counterfactual.methods import METHODS, MethodSetup, compute_method, replay_method, scores_path
+from assay.counterfactual.methods import (
+    DEFAULT_DAMPING,
+    DEFAULT_PROJECTION,
+    METHODS,
+    MethodSetup,
+    compute_method,
+    method_label,
+    replay_method,
+    scores_path,
+)
 from assay.counterfactual.report import evaluate_all
 from assay.lm.data import load_examples
 from assay.lm.models import load_model, load_tokenizer, setup_runtime
@@ -89,14 +98,17 @@ class ValidateConfig:
     own precision only). None by default; the abc preset runs them all."""
     index_precisions: tuple[Literal["fp32", "bf16", "fp16"], ...] = ("fp32",)
     """Precisions each method's index and queries are computed at (one LDS row per precision)."""
-    projection_dim: int = 16
-    """Projection width per side of the methods' indexes."""
+    projection_dim: int = DEFAULT_PROJECTION
+    """Projection width per side of the methods' indexes (0: raw weight gradients, exact but
+    large: one parameter-sized row per pool example). Rows made at another width than 16 are
+    labelled NAME-pP-PRECISION."""
     replay_from_step: int = 0
     """replay: differentiate only the steps from this one on, the earlier ones held fixed (scores
     saved as replay-fromS-P). MAGIC's remedy for a non-smooth start: in Adam's first steps the
     second moments are tiny and their exact derivatives dominate (docs/validation.md)."""
-    damping: float = 0.1
-    """Damping of the influence methods, as a multiple of the mean eigenvalue (per module)."""
+    damping: float = DEFAULT_DAMPING
+    """Damping of the influence methods, as a multiple of the mean eigenvalue (per module). Rows
+    made with another damping than 0.1 are labelled NAME-dD-PRECISION."""
     scores: tuple[str, ...] = ()
     """Attribution results to validate: `assay score` runs made with --save_scores (over the same
     pool and queries) or .npy matrices [Q, N] in the ground truth's order (OUT/ground_truth)."""
@@ -117,15 +129,10 @@ class ValidateConfig:
             )
         if not 0.0 < self.alpha < 1.0:
             raise AssayError(f"--alpha must be in (0, 1), got {self.alpha}")
-        if (
-            min(self.pool_size, self.query_size, self.projection_dim, self.token_batch_size, self.bootstrap)
-            < 1
-        ):
-            raise AssayError(
-                "--pool_size, --query_size, --projection_dim, --token_batch_size and --bootstrap must be >= 1"
-            )
-        if self.damping < 0 or self.replay_from_step < 0:
-            raise AssayError("--damping and --replay_from_step must be >= 0")
+        if min(self.pool_size, self.query_size, self.token_batch_size, self.bootstrap) < 1:
+            raise AssayError("--pool_size, --query_size, --token_batch_size and --bootstrap must be >= 1")
+        if min(self.damping, self.replay_from_step, self.projection_dim) < 0:
+            raise AssayError("--damping, --replay_from_step and --projection_dim must be >= 0")
 
 
 FREE = (
@@ -223,7 +230,9 @@ def compute_methods(cfg: ValidateConfig, root: Path, truth: GroundTruth) -> list
     groups = index_groups([m for m in cfg.methods if m != "replay"], cfg.index_precisions)
     mine = [g for g, owner in zip(groups, share_out(groups, dist.world_size)) if owner == dist.rank]
     dist.on_every_rank(_compute_alone, setup, [label for g in mine for label in g], truth)  # ends together
-    paths = [scores_path(setup, f"{name}-{precision}") for g in groups for name, precision in g]
+    paths = [
+        scores_path(setup, method_label(setup, name, precision)) for g in groups for name, precision in g
+    ]
     if "replay" in cfg.methods:  # the run is differentiated at the precision it was trained at
         precision = str(read_json(root / "full" / "summary.json")["precision"])
         paths.append(replay_method(setup, precision, truth.ids, truth.query_ids))
@@ -252,8 +261,8 @@ def share_out(groups: list[list[tuple[str, str]]], world_size: int) -> list[int]
 def _compute_alone(setup: MethodSetup, labels: list[tuple[str, str]], truth: GroundTruth) -> None:
     with Distributed.alone():
         for name, precision in labels:
-            if not scores_path(setup, f"{name}-{precision}").exists():
-                note(f"--- method {name}-{precision}")
+            if not scores_path(setup, method_label(setup, name, precision)).exists():
+                note(f"--- method {method_label(setup, name, precision)}")
             compute_method(setup, name, precision, truth.ids, truth.query_ids)
 
 

@@ -86,7 +86,7 @@ def test_validate_ground_truth_two_processes_equal_one(tmp_path, tiny_model_dir,
     np.testing.assert_array_equal(np.load(two / "masks.npy"), np.load(one / "masks.npy"))
     np.testing.assert_allclose(np.load(two / "outputs.npy"), np.load(one / "outputs.npy"), rtol=1e-6)
     l1, l2 = (json.loads((tmp_path / r / "lds.json").read_text())["results"] for r in ("one", "two"))
-    assert set(l1) == set(l2) == {"inner-fp32", "kfac-fp32", "replay-fp32"}
+    assert set(l1) == set(l2) == {"inner-p4-fp32", "kfac-p4-fp32", "replay-fp32"}  # p = 4: tagged
     for label in l1:
         assert l2[label]["mean"] == pytest.approx(l1[label]["mean"], abs=1e-9), label
     parts = sorted(p.name for p in (tmp_path / "two" / "methods" / "replay-fp32.parts").glob("*.npy"))

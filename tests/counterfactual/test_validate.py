@@ -192,6 +192,22 @@ def test_a_finished_validation_is_extended_with_more_methods(experiment, monkeyp
     assert {"inner-fp32", "influence-fp32", "cosine-fp32"} <= set(result["results"])
 
 
+def test_other_projection_or_damping_are_rows_of_their_own(experiment, monkeypatch):
+    """Rerun with another --projection_dim (here raw gradients) or --damping: new indexes and rows
+    beside the earlier ones, never the earlier scores reused under the same label."""
+    root, cfg, _ = experiment
+    monkeypatch.setattr(validate_mod, "run_subset", lambda *a: pytest.fail("retrained a subset"))
+    before = np.load(root / "lds" / "methods" / "influence-fp32.npy")
+    raw = validate(replace(cfg, methods=("influence", "inner"), projection_dim=0))["results"]
+    damped = validate(replace(cfg, methods=("influence", "inner"), damping=1.0))["results"]
+    assert {"influence-p0-fp32", "inner-p0-fp32", "influence-d1-fp32"} <= set(raw) | set(damped)
+    assert "inner-d1-fp32" not in damped  # the inner product has no damping
+    assert (root / "lds" / "index" / "raw-p0-fp32").exists()
+    assert np.array_equal(np.load(root / "lds" / "methods" / "influence-fp32.npy"), before)
+    for other in ("influence-p0-fp32", "influence-d1-fp32"):
+        assert not np.allclose(np.load(root / "lds" / "methods" / f"{other}.npy"), before)
+
+
 def test_replay_in_validate_resumes_batch_by_batch(experiment, monkeypatch):
     """--methods replay differentiates the full run batch of queries by batch; a lost batch is
     redone alone and the rows equal `assay score --finetune`'s."""
