@@ -231,9 +231,10 @@ def expected_files(meta: dict[str, Any]) -> list[str]:
     names = [META_FILE, GRADIENTS_FILE, IDS_FILE, LOSSES_FILE, TOKENS_FILE]
     if meta.get("normalizer", "none") != "none":
         names.append(NORMALIZER_FILE)
-    if meta.get("preconditioner", "none") != "none":
+    preconditioner = meta.get("preconditioner", "none")
+    if preconditioner == "trackstar" or (preconditioner != "none" and stats_fit(meta)):
         names.append(PRECONDITIONER_FILE)
-    if meta.get("preconditioner") in ("kfac", "ekfac"):
+    if preconditioner in ("kfac", "ekfac"):
         names.append(KFAC_FILE)
     return names
 
@@ -331,6 +332,12 @@ def save_preconditioner_stats(folder: Path, meta: dict[str, Any], samples: int, 
     sums = preconditioner_sums(grads, rows, meta)
     if Distributed.current().is_main:
         write_preconditioner(folder, sums, len(rows))
+
+
+def stats_fit(meta: dict[str, Any]) -> bool:
+    """Every module narrow enough for a [d, d] statistics matrix (a K-FAC index of raw gradients
+    is not, and needs none: its curvature is the factors)."""
+    return all(m["stop"] - m["start"] <= MAX_STATS_DIM for m in meta["modules"])
 
 
 def check_stats_dims(meta: dict[str, Any]) -> None:

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from assay.attribution import index as ix
 from assay.attribution.build import BuildConfig, build_index, setup_from_index
 from assay.attribution.index import open_index
 from assay.attribution.kfac import precondition_rows
@@ -87,6 +88,21 @@ def test_raw_index_scores_exact_influence_and_projected_ranks_alike(indexes):
         ra, rb = np.argsort(np.argsort(a)), np.argsort(np.argsort(b))
         # the same values up to the damping (relative to each curvature's own mean eigenvalue)
         assert np.corrcoef(a, b)[0, 1] >= 0.998 and np.corrcoef(ra, rb)[0, 1] >= 0.98
+
+
+def test_raw_layers_too_wide_for_dense_statistics_still_build_and_score(indexes, tiny_model_dir, monkeypatch):
+    """Raw gradients of real layers are too wide for a [d, d] statistics matrix: a K-FAC index
+    then keeps only its factors (what influence reads) and scores as the index with statistics."""
+    root, data = indexes
+    monkeypatch.setattr(ix, "MAX_STATS_DIM", 16)  # every 32 x 32 layer is "too wide"
+    _build(root / "raw-nostats", tiny_model_dir, data, 0)
+    bare, full = open_index(root / "raw-nostats", verify="full"), open_index(root / "raw")
+    assert not (bare.path / ix.PRECONDITIONER_FILE).exists() and (full.path / ix.PRECONDITIONER_FILE).exists()
+    q = torch.from_numpy(np.array(full.gradients[:3], dtype=np.float32))
+    got, want = (np.zeros((3, len(full)), np.float32) for _ in range(2))
+    score_index(bare, q, ScoreOptions(mode="influence"), scores_out=got)
+    score_index(full, q, ScoreOptions(mode="influence"), scores_out=want)
+    np.testing.assert_array_equal(got, want)
 
 
 def test_kfac_needs_plain_gradients():
