@@ -39,6 +39,7 @@ from assay.attribution.normalizers import Normalizer, live_optimizer_state
 from assay.attribution.projection import Projector
 from assay.core.config import DataConfig, ModelConfig, PrecisionName, RuntimeConfig
 from assay.core.console import warn
+from assay.core.distributed import Distributed
 from assay.core.errors import AssayError
 from assay.core.precision import PrecisionPolicy, full_precision
 from assay.core.runs import RunFolder, write_json
@@ -167,7 +168,11 @@ class LiveCollector(GradientCollector):
 
 class StepRecorder:
     """One step's index: `begin` (before the step's forward: the model copy, the optimizer's second
-    moments, the hooks), the loop's forward and backward, `end` (the rows written, OUT committed)."""
+    moments, the hooks), the loop's forward and backward, `end` (the rows written, OUT committed).
+
+    Under data parallelism (torchrun, DDP: every rank holds the whole model and the same optimizer
+    state) each rank records its own micro-batches; rank 0 gathers them, in rank order, and writes
+    the one index (the model copy and the normalizer are rank 0's, equal on every rank)."""
 
     def __init__(
         self, out: Path | str, cfg: LiveConfig, model: Any, tokenizer: Any, precision: PrecisionName
@@ -184,6 +189,7 @@ class StepRecorder:
             projection_dim=cfg.projection_dim, projection_seed=cfg.projection_seed,
             store_dtype=cfg.store_dtype, normalizer=cfg.normalizer,
         )  # fmt: skip
+        self.dist = Distributed.current()
         self.run: RunFolder | None = None
         self.collector: LiveCollector | None = None
         self.setup: GradientSetup | None = None
@@ -195,9 +201,7 @@ class StepRecorder:
             if optimizer is None:
                 raise AssayError(f"normalizer {self.cfg.normalizer} reads the optimizer: pass it")
             normalizer = live_optimizer_state(optimizer, self.cfg.normalizer, modules)
-        self.run = RunFolder(self.out, "build", self.build, self.cfg.overwrite, resumable=False).open()
-        self.model.save_pretrained(self.run.path / MODEL_DIR)  # the weights the step's rows are taken at
-        self.tokenizer.save_pretrained(self.run.path / MODEL_DIR)
+        self.dist.main_only(self._open)
         projector = Projector(self.cfg.projection_dim, self.cfg.projection_seed)
         fingerprint = model_fingerprint(self.model)
         pad = self.tokenizer.pad_token_id
@@ -208,19 +212,30 @@ class StepRecorder:
         self.collector = LiveCollector(self.model, modules, projector, self.policy, normalizer)
         self.collector.attach()
 
+    def _open(self) -> None:
+        """The run folder, with the weights the step's rows are taken at (rank 0)."""
+        self.run = RunFolder(self.out, "build", self.build, self.cfg.overwrite, resumable=False).open()
+        self.model.save_pretrained(self.run.path / MODEL_DIR)
+        self.tokenizer.save_pretrained(self.run.path / MODEL_DIR)
+
     def end(self) -> Path | None:
         """Write and commit the index (None when no training forward ran while recording)."""
-        assert self.collector is not None and self.run is not None and self.setup is not None
+        assert self.collector is not None and self.setup is not None
         try:
             batches = self.collector.finish()
         finally:
             self.collector.detach()
+        batches = [b for part in self.dist.gather(batches) for b in part]  # rank order
         if not batches:
             self.abandon()
             return None
+        self.dist.main_only(self._write, batches)
+        return self.out
+
+    def _write(self, batches: list[LiveBatch]) -> None:
+        assert self.run is not None and self.setup is not None and self.collector is not None
         write_live_index(self.run.path, self.build, self.setup, self.collector, batches)
         self.run.commit()
-        return self.out
 
     def abandon(self) -> None:
         """After a failure (or nothing collected): hooks removed, the unfinished folder dropped."""

@@ -8,6 +8,8 @@ checkpoint), at the weights of that step and with the optimizer's live second mo
 The rows of step N are taken during that step's own forwards and backwards (every micro-batch of
 its gradient accumulation), so they cost the hooks' projections, not another pass; the step's
 weights are the trainer's `checkpoint-N` (a copy is kept in the index: checkpoints get rotated).
+Under torchrun (data parallel) every rank records its own micro-batches and rank 0 writes the one
+index of the step's whole global batch.
 """
 
 from __future__ import annotations
@@ -40,9 +42,10 @@ class GradientCallback(TrainerCallback):
             )
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if args.world_size > 1:
+        if args.fsdp or args.deepspeed:
             raise AssayError(
-                "GradientCallback collects in one process for now: run the Trainer without torchrun"
+                "GradientCallback needs the whole model on every rank: data parallelism (torchrun) works, "
+                "FSDP and DeepSpeed do not yet"
             )
         if args.gradient_checkpointing:
             raise AssayError(

@@ -5,6 +5,8 @@ state the Trainer saved in its checkpoint as the normalizer."""
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,7 +17,7 @@ from assay.attribution.index import NORMALIZER_FILE, load_safetensors
 from assay.cli import main
 from assay.core.errors import AssayError
 from assay.integrations import GradientCallback, LiveConfig, record_gradients
-from tests.helpers import tiny_llama
+from tests.helpers import make_tokenizer, ok, tiny_llama, torchrun
 
 WORDS = "the king queen folk tune jig reel air of to and a in my love".split()
 FLAGS = ["--precision", "fp32", "--projection_dim", "4", "--token_batch_size", "64"]
@@ -46,50 +48,68 @@ def _collator(pad_id: int):
     return collate
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory, tiny_tokenizer):
-    """A 4-step Trainer run (2 micro-batches of 3 per step, AdamW, checkpoints every 2 steps) with the
-    callback on its checkpoints' steps: (root, callback)."""
+def train(root: Path, tokenizer, max_steps: int, save_steps: int) -> GradientCallback:
+    """A Trainer run (2 micro-batches of 3 per step and rank, AdamW, checkpoints every `save_steps`)
+    with the callback on its checkpoints' steps."""
     from transformers import Trainer, TrainingArguments
 
-    root = tmp_path_factory.mktemp("trainer")
-    data = [{"input_ids": _encode(tiny_tokenizer, t)} for t in _texts()]
+    data = [{"input_ids": _encode(tokenizer, t)} for t in _texts()]
     args = TrainingArguments(
         output_dir=str(root / "trainer"), per_device_train_batch_size=3, gradient_accumulation_steps=2,
-        max_steps=4, save_steps=2, learning_rate=1e-2, report_to=[], use_cpu=True, seed=0,
-        logging_steps=100, disable_tqdm=True,
+        max_steps=max_steps, save_steps=save_steps, learning_rate=1e-2, report_to=[], use_cpu=True,
+        seed=0, logging_steps=100, disable_tqdm=True,
     )  # fmt: skip
     callback = GradientCallback(root / "grads", config=LiveConfig(projection_dim=4, max_length=64))
     trainer = Trainer(
-        model=tiny_llama(vocab_size=len(tiny_tokenizer)), args=args, train_dataset=data,
-        data_collator=_collator(tiny_tokenizer.pad_token_id), processing_class=tiny_tokenizer,
-        callbacks=[callback],
+        model=tiny_llama(vocab_size=len(tokenizer)), args=args, train_dataset=data,
+        data_collator=_collator(tokenizer.pad_token_id), processing_class=tokenizer, callbacks=[callback],
     )  # fmt: skip
     trainer.train()
-    return root, callback
+    return callback
 
 
-def test_trainer_rows_equal_assay_build_at_the_checkpoint(trained, tiny_tokenizer):
-    root, callback = trained
-    step = root / "grads" / "step-2"
-    assert callback.written == [step]  # checkpoint-4 ends the run: no step follows it
-    index = assay.open_index(step, verify="full")
-    assert len(index) == 6  # both micro-batches of the step
-    texts = [json.loads(line)["text"] for line in (step / "examples.jsonl").read_text().splitlines()]
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, tiny_tokenizer):
+    """A 4-step run with checkpoints every 2 steps: (root, callback)."""
+    root = tmp_path_factory.mktemp("trainer")
+    return root, train(root, tiny_tokenizer, max_steps=4, save_steps=2)
+
+
+def assert_rows_equal_assay_build(root: Path, step: int, examples: int) -> None:
+    """The index of `step` holds `examples` rows, each equal to `assay build`'s at checkpoint-`step`
+    with the optimizer state saved there as the normalizer."""
+    folder = root / "grads" / f"step-{step}"
+    index = assay.open_index(folder, verify="full")
+    assert len(index) == examples
+    texts = [json.loads(line)["text"] for line in (folder / "examples.jsonl").read_text().splitlines()]
     assert set(texts) <= set(_texts())
-    checkpoint = root / "trainer" / "checkpoint-2"
+    checkpoint = root / "trainer" / f"checkpoint-{step}"
     ref = root / "ref"
-    args = ["build", str(ref), "--model", str(checkpoint), "--dataset", str(step / "examples.jsonl")]
+    args = ["build", str(ref), "--model", str(checkpoint), "--dataset", str(folder / "examples.jsonl")]
     args += ["--normalizer", "adam", "--optimizer_state", str(checkpoint / "optimizer.pt"), *FLAGS]
     assert main([*args, "--max_length", "64"]) == 0
     built = assay.open_index(ref)
     assert built.meta["model"]["fingerprint"] == index.meta["model"]["fingerprint"]  # the copy is θ_2
     for name, tensor in load_safetensors(ref / NORMALIZER_FILE).items():  # live vs the saved optimizer.pt
-        torch.testing.assert_close(load_safetensors(step / NORMALIZER_FILE)[name], tensor, rtol=0, atol=0)
+        torch.testing.assert_close(load_safetensors(folder / NORMALIZER_FILE)[name], tensor, rtol=0, atol=0)
     rows, want = np.asarray(index.gradients), np.asarray(built.gradients)
     np.testing.assert_allclose(rows, want, rtol=2e-4, atol=2e-5 * np.abs(want).max())
     np.testing.assert_allclose(index.losses, built.losses, rtol=1e-5)
     np.testing.assert_array_equal(index.token_counts, built.token_counts)
+
+
+def test_trainer_rows_equal_assay_build_at_the_checkpoint(trained):
+    root, callback = trained
+    assert callback.written == [root / "grads" / "step-2"]  # checkpoint-4 ends the run: no step follows
+    assert_rows_equal_assay_build(root, step=2, examples=6)  # both micro-batches of the step
+
+
+def test_trainer_under_torchrun_writes_the_global_batch(tmp_path):
+    """2 data-parallel ranks: one index of the step's 12 examples (2 ranks x 2 micro-batches of 3),
+    each row still `assay build`'s at the checkpoint."""
+    ok(torchrun(__file__, str(tmp_path)))
+    assert not (tmp_path / "grads" / "step-2").exists()  # checkpoint-2 ends the run
+    assert_rows_equal_assay_build(tmp_path, step=1, examples=12)
 
 
 def test_an_index_written_during_training_is_scored(trained, tmp_path):
@@ -139,3 +159,7 @@ def test_misuse_is_one_line(tmp_path, tiny_tokenizer):
         with record_gradients(tmp_path / "c", model, tiny_tokenizer, torch.optim.AdamW(model.parameters())):
             pass
     assert not any(p.name.endswith(".part") for p in tmp_path.iterdir())  # nothing half-written is left
+
+
+if __name__ == "__main__":  # a rank of test_trainer_under_torchrun_writes_the_global_batch
+    train(Path(sys.argv[1]), make_tokenizer(), max_steps=2, save_steps=1)
