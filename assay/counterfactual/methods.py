@@ -21,6 +21,7 @@ from assay.attribution.score import ScoreOptions, check_compatible, query_gradie
 from assay.core.config import DataConfig, ModelConfig, QueryConfig, RuntimeConfig
 from assay.core.distributed import Distributed
 from assay.core.errors import AssayError
+from assay.core.memory import PeakResident
 from assay.core.runs import DONE_FILE, read_json, write_json
 from assay.counterfactual.from_run import load_replay, metagradient_scores
 from assay.lm.lean import keep_compute_casts
@@ -137,11 +138,26 @@ def compute_method(
     setup: MethodSetup, name: str, precision: str, pool_ids: np.ndarray, query_ids: list[Any]
 ) -> Path:
     """[Q, N] scores of method `name` at `precision` in the ground truth's order, saved as
-    OUT/methods/LABEL.npy (`method_label`; + .json with how long it took). Reused when already there."""
+    OUT/methods/LABEL.npy (`method_label`; + .json with how long it took and the process's peak
+    resident memory meanwhile). Reused when already there."""
     label = method_label(setup, name, precision)
     path = scores_path(setup, label)
     if path.exists():
         return path
+    with PeakResident() as peak:
+        scores, facts = _method_scores(setup, name, precision, pool_ids, query_ids, label)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp.npy")
+    np.save(tmp, scores)
+    write_json(path.with_suffix(".json"), {**facts, "peak_gb": peak.gb})
+    tmp.replace(path)
+    return path
+
+
+def _method_scores(
+    setup: MethodSetup, name: str, precision: str, pool_ids: np.ndarray, query_ids: list[Any], label: str
+) -> tuple[np.ndarray, dict[str, Any]]:
+    """[Q, N] scores in the ground truth's order and how they were made (index, seconds)."""
     method = METHODS[name]
     start = time.perf_counter()
     index = open_index(build_method_index(setup, method.index, precision))
@@ -158,16 +174,12 @@ def compute_method(
     scores = np.zeros((len(queries.ids), len(index)), dtype=np.float32)
     score_index(index, grads, ScoreOptions(mode=method.mode, damping=setup.damping), scores_out=scores)  # type: ignore[arg-type]
     order = _positions(np.asarray(index.ids), pool_ids, label)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp.npy")
-    np.save(tmp, scores[:, order])
     scored = time.perf_counter() - start - built
-    write_json(path.with_suffix(".json"), {
+    facts = {
         "method": name, "precision": precision, "mode": method.mode, "index": str(index.path),
         "summary": method.summary, "index_seconds": built, "score_seconds": scored,
-    })  # fmt: skip
-    tmp.replace(path)
-    return path
+    }  # fmt: skip
+    return scores[:, order], facts
 
 
 REPLAY_QUERY_BATCH = 4
@@ -214,13 +226,13 @@ def _replay_batches(
     """Replay the full run once (this process alone), then write each batch's [B, N] scores."""
     if not batches:
         return
-    with Distributed.alone():
-        _replay_and_score(setup, precision, pool_ids, query_ids, batches, parts)
+    with Distributed.alone(), PeakResident() as peak:
+        _replay_and_score(setup, precision, pool_ids, query_ids, batches, parts, peak)
 
 
 def _replay_and_score(
     setup: MethodSetup, precision: str, pool_ids: np.ndarray, query_ids: list[Any],
-    batches: list[tuple[int, list[int]]], parts: Path,
+    batches: list[tuple[int, list[int]]], parts: Path, peak: PeakResident,
 ) -> None:  # fmt: skip
     replayed = load_replay(setup.full_run, setup.runtime.device)
     if replayed.policy.name != precision:
@@ -244,6 +256,7 @@ def _replay_and_score(
         np.save(tmp, scores[:, order].astype(np.float32))
         write_json(target.with_suffix(".json"), {
             "replay_seconds": replay_seconds, "score_seconds": time.perf_counter() - start,
+            "peak_gb": peak.gb,  # this process's, so far
         })  # fmt: skip
         tmp.replace(target)
         replay_seconds = 0.0  # the forward replay is counted once per process
@@ -261,6 +274,7 @@ def _assemble_parts(parts: Path, num_batches: int, path: Path, precision: str, f
         "replay_from_step": first_step,
         "index_seconds": sum(c["replay_seconds"] for c in costs),
         "score_seconds": sum(c["score_seconds"] for c in costs),
+        "peak_gb": max(c.get("peak_gb", 0.0) for c in costs),  # of the processes that replayed
     })  # fmt: skip
     tmp.replace(path)
 

@@ -118,14 +118,15 @@ def markdown(result: dict[str, Any]) -> str:
         f"LDS over {gt['num_subsets']} retrained subsets (α = {gt['alpha']:.2f} of {gt['pool']} examples), "
         f"{gt['queries']} queries; 95% bootstrap interval over queries.",
         "",
-        "| method | LDS | 95% CI | queries | index + score s |",
-        "|---|---:|---|---:|---:|",
+        "| method | LDS | 95% CI | queries | index + score s | peak GB |",
+        "|---|---:|---|---:|---:|---:|",
     ]
     for label, r in sorted(result["results"].items(), key=lambda kv: -(kv[1]["mean"] or -9)):
         seconds = (r.get("index_seconds") or 0) + (r.get("score_seconds") or 0)
         mean = "n/a" if r["mean"] is None else f"{r['mean']:.3f}"
         ci = "n/a" if r["ci_low"] is None else f"[{r['ci_low']:.3f}, {r['ci_high']:.3f}]"
-        lines.append(f"| {label} | {mean} | {ci} | {r['num_defined']} | {seconds:.1f} |")
+        peak = f"{r['peak_gb']:.2f}" if r.get("peak_gb") else "—"
+        lines.append(f"| {label} | {mean} | {ci} | {r['num_defined']} | {seconds:.1f} | {peak} |")
     return "\n".join(lines) + "\n"
 
 

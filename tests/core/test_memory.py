@@ -1,11 +1,16 @@
-"""Freed tensor memory goes back to the OS once `return_freed_memory` has run (glibc)."""
+"""Freed tensor memory goes back to the OS once `return_freed_memory` has run (glibc); the peak
+resident memory of a block is seen even when freed before the block ends."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
+import numpy as np
 import pytest
+
+from assay.core.memory import PeakResident
 
 SCRIPT = """
 import sys, torch
@@ -62,3 +67,15 @@ def test_entry_imports_a_command_frozen_and_help_stays_light():
     assert run("eval", "--help")[1:3] == ["False", "True"]  # the config class needs torch only
     frozen = run("eval", "--model", "nonexistent-model-dir", "--dataset", "x.jsonl")  # fails fast
     assert frozen == ["True", "True", "True", "True"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_peak_resident_sees_a_transient_allocation():
+    with PeakResident() as base:
+        time.sleep(0.05)
+    with PeakResident() as peak:
+        block = np.ones(300 * 2**20 // 8)  # 300 MiB, touched
+        time.sleep(0.05)
+        del block
+    assert peak.gb - base.gb > 0.25  # seen although freed before the block ended
+    assert peak.gb < base.gb + 1.0

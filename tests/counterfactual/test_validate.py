@@ -89,6 +89,9 @@ def test_methods_are_validated_and_the_table_written(experiment):
     for r in result["results"].values():
         assert len(r["per_query"]) == 2 and r["num_subsets"] == 4
     assert (root / "lds" / "lds.md").exists() and (root / "lds" / "lds.png").exists()
+    facts = json.loads((root / "lds" / "methods" / "inner-fp32.json").read_text())
+    assert facts["peak_gb"] > 0.05 and facts["index_seconds"] > 0  # the process's resident peak meanwhile
+    assert "peak GB" in (root / "lds" / "lds.md").read_text()
     assert json.loads((root / "lds" / "run.json").read_text())
 
 
