@@ -22,7 +22,9 @@ listing it in METHODS; a `damping` or `fisher` argument receives the flag's valu
 - `influence-ggn`: the same with the Gauss-Newton matrix (PSD) instead of the Hessian.
 - `assay-kfac`, `assay-ekfac`: assay's Python API (`assay.attribution.kfac_influence`): K-FAC /
   EK-FAC factors of the two linear layers' weights (assay does not attribute biases), δ =
-  damping × each module's mean eigenvalue, unprojected gradients.
+  damping × each module's mean eigenvalue, unprojected gradients. `assay-kfac-bf16`,
+  `assay-ekfac-bf16`: the same with the forwards and backwards under bf16 autocast (the factors
+  still accumulated in fp32 and decomposed in fp64).
 - `kronfluence-kfac`, `kronfluence-ekfac`: kronfluence (the reference EK-FAC) on the same model,
   batches, labels (`--fisher`) and damping rule (its damping_factor=None heuristic, scaled to
   `--damping`); it also attributes the biases. Only where kronfluence is installed (the peers'
@@ -74,8 +76,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from lds_kfac import (  # noqa: E402
     against_kronfluence,
     assay_ekfac,
+    assay_ekfac_bf16,
     assay_ekfac_bias,
     assay_kfac,
+    assay_kfac_bf16,
     assay_kfac_bias,
     kronfluence_ekfac,
     kronfluence_kfac,
@@ -274,6 +278,8 @@ METHODS: dict[str, Callable[..., np.ndarray]] = {
     "influence-ggn": influence_ggn,
     "assay-kfac": assay_kfac,
     "assay-ekfac": assay_ekfac,
+    "assay-kfac-bf16": assay_kfac_bf16,
+    "assay-ekfac-bf16": assay_ekfac_bf16,
     "assay-kfac+b": assay_kfac_bias,
     "assay-ekfac+b": assay_ekfac_bias,
     "kronfluence-kfac": kronfluence_kfac,

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from assay.attribution.kfac import resolve_policy
 from assay.attribution.kfac_fit import SampledCrossEntropy, fit_kfac
 from assay.attribution.kfac_influence import kfac_influence
 from assay.counterfactual.lds import bootstrap_mean_ci, spearman
@@ -54,8 +55,11 @@ def cross_entropy(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Ten
     return nn.functional.cross_entropy(model(batch["x"]), batch["y"], reduction="none")
 
 
-def assay_influence(model: nn.Module, data: Data, kind: str, damping: float, fisher: str) -> np.ndarray:
-    """assay's `kfac_influence`; with the sampled Fisher the factors are fitted first on drawn labels."""
+def assay_influence(
+    model: nn.Module, data: Data, kind: str, damping: float, fisher: str, precision: str = "fp32"
+) -> np.ndarray:
+    """assay's `kfac_influence`; with the sampled Fisher the factors are fitted first on drawn labels.
+    `precision` bf16: forward and backward under bf16 autocast, statistics accumulated in fp32."""
     train = [
         {"x": data.x[s : s + TRAIN_BATCH], "y": data.y[s : s + TRAIN_BATCH]}
         for s in range(0, len(data.x), TRAIN_BATCH)
@@ -63,9 +67,9 @@ def assay_influence(model: nn.Module, data: Data, kind: str, damping: float, fis
     factors = None
     if fisher == "sampled":
         drawn = SampledCrossEntropy(lambda m, b: m(b["x"]))
-        factors = fit_kfac(model, train, drawn, kind, ("*",))  # type: ignore[arg-type]
+        factors = fit_kfac(model, train, drawn, kind, ("*",), resolve_policy(model, precision))  # type: ignore[arg-type]
     queries = [{"x": data.xq, "y": data.yq}]
-    kw = {"damping": damping, "modules": ("*",), "factors": factors}
+    kw = {"damping": damping, "modules": ("*",), "factors": factors, "precision": precision}
     return kfac_influence(model, train, queries, cross_entropy, kind, **kw).numpy()  # type: ignore[arg-type]
 
 
@@ -98,6 +102,16 @@ def assay_kfac(model: nn.Module, data: Data, recipe: Recipe, damping: float, fis
 def assay_ekfac(model: nn.Module, data: Data, recipe: Recipe, damping: float, fisher: str) -> np.ndarray:
     """assay's EK-FAC influence (weights of both linear layers)."""
     return assay_influence(model, data, "ekfac", damping, fisher)
+
+
+def assay_kfac_bf16(model: nn.Module, data: Data, recipe: Recipe, damping: float, fisher: str) -> np.ndarray:
+    """assay's K-FAC influence with the gradients and factors taken under bf16 autocast."""
+    return assay_influence(model, data, "kfac", damping, fisher, "bf16")
+
+
+def assay_ekfac_bf16(model: nn.Module, data: Data, recipe: Recipe, damping: float, fisher: str) -> np.ndarray:
+    """assay's EK-FAC influence with the gradients and factors taken under bf16 autocast."""
+    return assay_influence(model, data, "ekfac", damping, fisher, "bf16")
 
 
 def assay_kfac_bias(model: nn.Module, data: Data, recipe: Recipe, damping: float, fisher: str):
