@@ -57,9 +57,7 @@ import gc
 import inspect
 import json
 import logging
-import os
 import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -70,6 +68,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, jacrev, vmap
 
+from assay.core.memory import PeakResident
 from assay.counterfactual.lds import LDSResult, linear_datamodel_score, sample_subsets
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -301,35 +300,22 @@ def release_free_memory() -> None:
         pass
 
 
-def resident_bytes() -> int:
-    """The process's resident set size (Linux's /proc; 0 elsewhere)."""
-    try:
-        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError):
-        return 0
+class PeakMemory(PeakResident):
+    """The growth of the resident set while it runs, sampled every 5 ms (`mib`), after what earlier
+    methods left is freed (not counted as this one's)."""
 
-
-class PeakMemory:
-    """Context manager: the growth of the resident set while it runs, sampled every 5 ms (MiB)."""
+    def __init__(self) -> None:
+        super().__init__(interval=0.005)
 
     def __enter__(self) -> PeakMemory:
-        gc.collect()  # what earlier methods left is freed first, not counted as this one's
+        gc.collect()
         release_free_memory()
-        self.start = self.peak = resident_bytes()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
+        super().__enter__()
         return self
 
-    def _sample(self) -> None:
-        while not self._stop.wait(0.005):
-            self.peak = max(self.peak, resident_bytes())
-
     def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, resident_bytes())
-        self.mib = (self.peak - self.start) / 2**20
+        super().__exit__(*exc)
+        self.mib = (self.gb - self.start_gb) * 1024
 
 
 def cached_ground_truth(recipe: Recipe, masks: np.ndarray, data: Data, cache: Path | None):

@@ -263,7 +263,7 @@ def build_index(cfg: BuildConfig) -> dict[str, Any]:
             write_json(run.path / ix.META_FILE, meta)
             np.save(run.path / ix.IDS_FILE, examples.ids.astype(np.int64))
         summary = write_rows(setup, examples, run.path, cfg)
-        if cfg.preconditioner == "trackstar" or (cfg.preconditioner != "none" and ix.stats_fit(meta)):
+        if ix.keeps_stats(meta):
             save_preconditioner_stats(run.path, meta, cfg.stats_samples, cfg.runtime.seed)
         dist.barrier()  # every file is written before rank 0 records their checksums
         if dist.is_main:

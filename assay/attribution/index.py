@@ -231,10 +231,9 @@ def expected_files(meta: dict[str, Any]) -> list[str]:
     names = [META_FILE, GRADIENTS_FILE, IDS_FILE, LOSSES_FILE, TOKENS_FILE]
     if meta.get("normalizer", "none") != "none":
         names.append(NORMALIZER_FILE)
-    preconditioner = meta.get("preconditioner", "none")
-    if preconditioner == "trackstar" or (preconditioner != "none" and stats_fit(meta)):
+    if keeps_stats(meta):
         names.append(PRECONDITIONER_FILE)
-    if preconditioner in ("kfac", "ekfac"):
+    if meta.get("preconditioner") in ("kfac", "ekfac"):
         names.append(KFAC_FILE)
     return names
 
@@ -334,15 +333,22 @@ def save_preconditioner_stats(folder: Path, meta: dict[str, Any], samples: int, 
         write_preconditioner(folder, sums, len(rows))
 
 
-def stats_fit(meta: dict[str, Any]) -> bool:
-    """Every module narrow enough for a [d, d] statistics matrix (a K-FAC index of raw gradients
-    is not, and needs none: its curvature is the factors)."""
-    return all(m["stop"] - m["start"] <= MAX_STATS_DIM for m in meta["modules"])
+def _too_wide_for_stats(meta: dict[str, Any]) -> list[str]:
+    """Modules too wide for a [d, d] statistics matrix."""
+    return [m["name"] for m in meta["modules"] if m["stop"] - m["start"] > MAX_STATS_DIM]
+
+
+def keeps_stats(meta: dict[str, Any]) -> bool:
+    """Whether the index saves TrackStar's per-module Σ g gᵀ: with --preconditioner trackstar always;
+    with kfac / ekfac when every module fits (an index of raw gradients of real layers does not,
+    and needs none: its curvature is the factors)."""
+    preconditioner = meta.get("preconditioner", "none")
+    return preconditioner == "trackstar" or (preconditioner != "none" and not _too_wide_for_stats(meta))
 
 
 def check_stats_dims(meta: dict[str, Any]) -> None:
     """Refuse modules too wide for a [d, d] statistics matrix (one line)."""
-    too_big = [m["name"] for m in meta["modules"] if m["stop"] - m["start"] > MAX_STATS_DIM]
+    too_big = _too_wide_for_stats(meta)
     if too_big:
         raise AssayError(
             f"module {too_big[0]} has too many columns for a preconditioner; use --projection_dim"

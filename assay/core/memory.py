@@ -65,11 +65,15 @@ class PeakResident:
         self.interval = interval
         self.gb = 0.0
         """Peak resident GB seen while the block ran."""
+        self.start_gb = 0.0
+        """Resident GB when the block began (the peak's growth is `gb - start_gb`)."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def __enter__(self) -> PeakResident:
-        if _resident_bytes() is not None:
+        now = _resident_bytes()
+        self.start_gb = self.gb = (now or 0) / 1024**3
+        if now is not None:
             self._thread = threading.Thread(target=self._sample, daemon=True)
             self._thread.start()
         return self
