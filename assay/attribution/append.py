@@ -10,7 +10,8 @@ Then, in a few steps that each leave OUT a whole index (index.py's module docstr
    and verifies as the old index);
 2. the new index is assembled in `OUT.append.part/next/`: the unchanged files hard-linked, ids,
    losses, token counts and norms extended, the TrackStar statistics updated, index.json with the
-   new segment, checksums.json and run.json (a new finish stamp) written afresh;
+   new segment, checksums.json (the rows' chained digest carried on over the new rows only) and
+   run.json (a new finish stamp) written afresh;
 3. `next/` replaces OUT in two renames, as every command's output folder is committed.
 
 A rerun of the same command after an interruption at any point finishes the job. Statistics are
@@ -328,7 +329,8 @@ def assemble(out: Path, index: ix.GradientIndex, staged: Path, meta: dict[str, A
     if stats is not None:
         ix.write_preconditioner(nxt, *stats)
     write_json(nxt / ix.META_FILE, meta)
-    ix.write_checksums(nxt, meta)
+    before = out / ix.CHECKSUMS_FILE  # its rows' digest is carried on: only the new rows are hashed
+    ix.write_checksums(nxt, meta, read_json(before) if before.exists() else None)
     done = read_json(out / DONE_FILE)
     appends = int(done.get("appends", 0)) + 1
     write_json(

@@ -15,7 +15,9 @@ made must be there (a normalizer or preconditioner silently missing would change
 each must have its recorded size, and its recorded hash — in full for files up to
 FULL_HASH_BYTES, and for larger ones (the gradient rows of a big index) over a fixed sample of
 blocks (the header, the first and last MiB, 64 blocks spread evenly), so opening stays cheap
-whatever N is. `verify="full"` hashes every byte.
+whatever N is. `verify="full"` hashes every byte. The rows file's full digest is a chain with one
+link per segment (its header, row count left out, seeds it), so an append hashes only the rows it
+adds.
 
 `gradients.npy` may be longer than the index: `assay build --append` writes the new rows past
 the old ones and sets the header's row count before it swaps in the new index.json (see
@@ -56,6 +58,7 @@ PRECONDITIONER_FILE = "preconditioner.safetensors"
 KFAC_FILE = "kfac.safetensors"
 MAX_STATS_DIM = 8192  # a [d, d] fp32 matrix per module: 256 MB at this size
 CHECKSUMS_FILE = "checksums.json"
+ROWS_DIGEST = "rows_sha256"  # the rows file's chained digest (rows_digest)
 FORMAT_VERSION = 1
 FULL_HASH_BYTES = 64 << 20
 SAMPLE_BLOCKS, SAMPLE_BLOCK, SAMPLE_ENDS = 64, 64 << 10, 1 << 20
@@ -267,17 +270,44 @@ def file_digest(
     return h.hexdigest()
 
 
-def write_checksums(path: Path, meta: dict[str, Any]) -> None:
-    """Record the size and digests of every file the index holds (at the end of a build): the
-    full sha256, and for files over FULL_HASH_BYTES also the sampled one `open_index` checks."""
+def rows_digest(path: Path, meta: dict[str, Any], carried: dict[str, Any] | None = None) -> str:
+    """The rows file's full digest: sha256 chained over its segments' row bytes, seeded by its header
+    with the row count left out. `carried`: the entry checksums.json recorded for the index's
+    first segments (an append), whose chain is carried on instead of hashed again."""
+    offset, shape, dtype, header = read_npy_header(path)
+    spans = [tuple(s["rows"]) for s in segments(meta)]
+    row_bytes = int(np.prod(shape[1:])) * dtype.itemsize
+    if carried and ROWS_DIGEST in carried and carried.get("rows") == spans[-1][0]:
+        digest, spans = carried[ROWS_DIGEST], spans[-1:]
+    else:
+        digest = hashlib.sha256(header_for_rows(header, shape, 0) or header).hexdigest()
+    with open(path, "rb") as f:
+        for start, stop in spans:
+            h = hashlib.sha256(digest.encode())
+            for at in range(offset + start * row_bytes, offset + stop * row_bytes, 8 << 20):
+                h.update(os.pread(f.fileno(), min(8 << 20, offset + stop * row_bytes - at), at))
+            digest = h.hexdigest()
+    return digest
+
+
+def write_checksums(path: Path, meta: dict[str, Any], carried: dict[str, Any] | None = None) -> None:
+    """Record the size and digests of every file the index holds (at the end of a build or an
+    append): the full sha256 (the rows file's chained, `rows_digest`), and for files over
+    FULL_HASH_BYTES also the sampled one `open_index` checks. `carried`: the checksums.json of the
+    index an append extends."""
     names = expected_files(meta) + [n for n in (NORMS_FILE,) if (path / n).exists()]
     files: dict[str, dict[str, Any]] = {}
     for name in names:
         size = os.path.getsize(path / name)
-        files[name] = {"size": size, "sha256": file_digest(path / name)}
+        if name == GRADIENTS_FILE:
+            before = (carried or {}).get("files", {}).get(name)
+            rows = int(meta["num_examples"])
+            files[name] = {"size": size, "rows": rows, ROWS_DIGEST: rows_digest(path / name, meta, before)}
+        else:
+            files[name] = {"size": size, "sha256": file_digest(path / name)}
         if size > FULL_HASH_BYTES:
             files[name]["sampled_sha256"] = file_digest(path / name, sampled=True)
-    write_json(path / CHECKSUMS_FILE, {"format": "assay-index-checksums-v1", "files": files})
+    write_json(path / CHECKSUMS_FILE, {"format": "assay-index-checksums-v2", "files": files})
 
 
 def verify_files(path: Path, meta: dict[str, Any], full: bool = False) -> None:
@@ -304,13 +334,24 @@ def verify_files(path: Path, meta: dict[str, Any], full: bool = False) -> None:
                 "rebuild the index"
             )
         sampled = not full and "sampled_sha256" in want
-        header = _canonical_header(file, int(meta["num_examples"])) if grows else None
-        digest = file_digest(file, sampled, want["size"], header)
-        if digest != want["sampled_sha256" if sampled else "sha256"]:
+        if ROWS_DIGEST in want and not sampled:
+            digest, key = _rows_digest_or_none(file, meta), ROWS_DIGEST
+        else:
+            header = _canonical_header(file, int(meta["num_examples"])) if grows else None
+            digest = file_digest(file, sampled, want["size"], header)
+            key = "sampled_sha256" if sampled else "sha256"
+        if digest != want[key]:
             raise AssayError(
                 f"{path} is a damaged index: {name} changed since it was built (checksum); rebuild the "
                 f"index (`assay replay {path} --overwrite`)"
             )
+
+
+def _rows_digest_or_none(path: Path, meta: dict[str, Any]) -> str | None:
+    try:
+        return rows_digest(path, meta)
+    except (OSError, ValueError, EOFError):
+        return None  # a broken header: "changed since it was built"
 
 
 def index_fingerprint(model: torch.nn.Module, meta: dict[str, Any]) -> str:

@@ -20,6 +20,7 @@ from assay.attribution import build as build_mod
 from assay.attribution import index as ix
 from assay.attribution.score import index_cache_path, train_texts
 from assay.cli import main
+from assay.core.errors import AssayError
 from tests.helpers import interrupt_on, tiny_llama, write_word_texts
 
 FLAGS = ["--precision", "fp32", "--projection_dim", "4", "--token_batch_size", "1"]
@@ -75,6 +76,31 @@ def test_appended_index_equals_a_build_of_the_union(grown):
     assert [s["rows"] for s in segs] == [[0, 10], [10, 16]] and segs[1]["id_offset"] == 10
     assert index_cache_path(a, "score-norms", "k", ".npy") != before  # cached per-row numbers are stale
     assert not append_mod.staging_path(grown_dir).exists()
+
+
+def test_the_rows_digest_is_carried_on_over_the_new_rows_only(grown, tmp_path, monkeypatch):
+    """The appended index's recorded digest is the one hashing it whole gives, the append read no
+    byte of the old rows to make it, and a changed old row still fails the full check."""
+    root, grown_dir, _, _, _ = grown
+    meta = json.loads((grown_dir / ix.META_FILE).read_text())
+    recorded = json.loads((grown_dir / ix.CHECKSUMS_FILE).read_text())["files"][ix.GRADIENTS_FILE]
+    path = grown_dir / ix.GRADIENTS_FILE
+    assert recorded[ix.ROWS_DIGEST] == ix.rows_digest(path, meta)  # from scratch: every row
+    before = json.loads((root / "base" / ix.CHECKSUMS_FILE).read_text())["files"][ix.GRADIENTS_FILE]
+    offset, shape, dtype, _ = ix.read_npy_header(path)
+    reads: list[int] = []
+    pread = ix.os.pread
+    monkeypatch.setattr(ix.os, "pread", lambda fd, n, at: reads.append(at) or pread(fd, n, at))
+    assert ix.rows_digest(path, meta, before) == recorded[ix.ROWS_DIGEST]
+    monkeypatch.undo()
+    assert reads and min(reads) == offset + 10 * shape[1] * dtype.itemsize  # the first new row
+    copy = tmp_path / "copy"
+    shutil.copytree(grown_dir, copy)
+    data = bytearray((copy / ix.GRADIENTS_FILE).read_bytes())
+    data[offset + 5] ^= 1  # a byte of the first segment's first row
+    (copy / ix.GRADIENTS_FILE).write_bytes(bytes(data))
+    with pytest.raises(AssayError, match="changed since"):
+        assay.open_index(copy, verify="full")
 
 
 def test_scores_after_append_equal_scores_of_the_union(grown, tmp_path):
