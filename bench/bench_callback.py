@@ -16,8 +16,10 @@ Runs alternate (without, then with the callback once per `--normalizers` entry) 
 the texts are random words, every token a target. The normalizer decides the hooks' cost: `adam`
 divides each example's full [out, in] gradient by sqrt(v) before projecting it, so the hooks form
 every per-example weight gradient (a second weight-gradient GEMM per layer, as bergson's Adam
-normalizer does too); `adafactor` (the optimizer's Adam moments factored into row and column
-means, bergson's `to_adafactor`) and `none` only project the inputs and output gradients.
+normalizer does too); `adafactor` (the default: the optimizer's Adam moments factored into row and
+column means, bergson's `to_adafactor`) and `none` only project the inputs and output gradients.
+How far each normalizer's rows are from exact Adam's: the per-example cosine of the last collected
+step's rows with the `adam` run's (same weights and examples: the runs are deterministic).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import numpy as np
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
+import assay
 from assay.core.config import ModelConfig
 from assay.core.precision import PrecisionPolicy
 from assay.integrations import GradientCallback, LiveConfig
@@ -81,8 +84,11 @@ def collate(rows: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
-def one_run(opts: argparse.Namespace, tokenizer: Any, normalizer: str | None, root: Path) -> dict[str, float]:
-    """Median seconds per step of each part (steps 2.. of the run: step 1 warms up)."""
+def one_run(
+    opts: argparse.Namespace, tokenizer: Any, normalizer: str | None, root: Path
+) -> tuple[dict[str, float], np.ndarray | None]:
+    """Median seconds per step of each part (steps 2.. of the run: step 1 warms up), and the rows of
+    the last step collected (None without the callback)."""
     model = load_model(ModelConfig(model=opts.model), PrecisionPolicy.resolve("fp32", opts.device)).train()
     args = TrainingArguments(
         output_dir=str(root / "trainer"), per_device_train_batch_size=opts.batch_size, max_steps=opts.steps,
@@ -103,11 +109,21 @@ def one_run(opts: argparse.Namespace, tokenizer: Any, normalizer: str | None, ro
     steps = range(2, opts.steps)  # step 0 differs (no optimizer state), step 1 warms up
     begin, started = before.marks["begin"], after.marks["begin"]
     backward, written = before.marks["pre_optimizer"], after.marks["pre_optimizer"]
+    rows = None
+    if normalizer is not None:
+        rows = np.asarray(assay.open_index(root / "grads" / f"step-{opts.steps - 1}").gradients, np.float32)
     return {
         "copy": statistics.median(started[s] - begin[s] for s in steps),
         "forward+backward": statistics.median(backward[s] - started[s] for s in steps),
         "write": statistics.median(written[s] - backward[s] for s in steps),
-    }
+    }, rows
+
+
+def agreement(rows: np.ndarray, exact: np.ndarray) -> dict[str, float]:
+    """Per-example cosine of a normalizer's rows with the exact Adam normalizer's (same examples,
+    same weights: the runs are deterministic): min and median."""
+    cos = (rows * exact).sum(1) / (np.linalg.norm(rows, axis=1) * np.linalg.norm(exact, axis=1))
+    return {"min": float(cos.min()), "median": float(np.median(cos))}
 
 
 def main() -> None:
@@ -124,7 +140,7 @@ def main() -> None:
     parser.add_argument(
         "--normalizers",
         nargs="+",
-        default=["adam", "adafactor"],
+        default=["adam", "adafactor", "none"],
         choices=["adam", "adafactor", "none"],
         help="the callback's normalizer in each run with it (module docstring)",
     )
@@ -137,10 +153,12 @@ def main() -> None:
     print(header(), flush=True)
     variants: dict[str, str | None] = {"without": None} | {f"with-{n}": n for n in opts.normalizers}
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
+    rows: dict[str, np.ndarray | None] = {}
     for _ in range(opts.repeats):
         for name, normalizer in variants.items():
             with tempfile.TemporaryDirectory() as tmp:
-                runs[name].append(one_run(opts, tokenizer, normalizer, Path(tmp)))
+                parts, rows[name] = one_run(opts, tokenizer, normalizer, Path(tmp))
+                runs[name].append(parts)
     result: dict[str, Any] = {"settings": vars(opts), "machine": machine()}
     for name, parts in runs.items():
         result[name] = {k: statistics.median(p[k] for p in parts) for k in parts[0]}
@@ -148,6 +166,9 @@ def main() -> None:
     for name in list(variants)[1:]:
         result[f"{name}:hook_overhead"] = result[name]["forward+backward"] / base["forward+backward"] - 1
         result[f"{name}:collection_overhead"] = sum(result[name].values()) / sum(base.values()) - 1
+        exact, own = rows.get("with-adam"), rows[name]
+        if exact is not None and own is not None and name != "with-adam":
+            result[f"{name}:cosine_with_adam_rows"] = agreement(own, exact)
     print(json.dumps(result, indent=2))
 
 

@@ -61,9 +61,13 @@ class LiveConfig:
     """Seed of the projection matrices (queries are projected with the index's)."""
     modules: tuple[str, ...] = DEFAULT_MODULES
     """Glob patterns over module names choosing the linear layers; `!` excludes."""
-    normalizer: Literal["none", "adafactor", "adam"] = "adam"
-    """Divide by the square root of the optimizer's live second moments (its state at the step;
-    adam for Adam(W), adafactor for Adafactor), or none."""
+    normalizer: Literal["none", "adafactor", "adam"] = "adafactor"
+    """Divide by the square root of the optimizer's live second moments (its state at the step):
+    adafactor (the default) reads Adafactor's factors, or an Adam(W)'s moments factored into row
+    and column means (bergson's `to_adafactor`), which fold into the projections; adam divides
+    each example's full weight gradient by Adam's exact moments, which makes the hooks form every
+    per-example weight gradient (+59-68% of a SmolLM2-135M step on 2 CPU cores against +7-15%;
+    docs/BENCHMARKS.md); none."""
     store_dtype: Literal["float32", "float16"] = "float32"
     """Dtype of the stored rows (as `assay build --store_dtype`)."""
     max_length: int = 512

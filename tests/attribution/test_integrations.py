@@ -48,9 +48,11 @@ def _collator(pad_id: int):
     return collate
 
 
-def train(root: Path, tokenizer, max_steps: int, save_steps: int) -> GradientCallback:
+def train(
+    root: Path, tokenizer, max_steps: int, save_steps: int, normalizer: str | None = None
+) -> GradientCallback:
     """A Trainer run (2 micro-batches of 3 per step and rank, AdamW, checkpoints every `save_steps`)
-    with the callback on its checkpoints' steps."""
+    with the callback on its checkpoints' steps (its normalizer: the default, or `normalizer`)."""
     from transformers import Trainer, TrainingArguments
 
     data = [{"input_ids": _encode(tokenizer, t)} for t in _texts()]
@@ -59,7 +61,10 @@ def train(root: Path, tokenizer, max_steps: int, save_steps: int) -> GradientCal
         max_steps=max_steps, save_steps=save_steps, learning_rate=1e-2, report_to=[], use_cpu=True,
         seed=0, logging_steps=100, disable_tqdm=True,
     )  # fmt: skip
-    callback = GradientCallback(root / "grads", config=LiveConfig(projection_dim=4, max_length=64))
+    config = LiveConfig(projection_dim=4, max_length=64)
+    if normalizer is not None:
+        config.normalizer = normalizer  # type: ignore[assignment]
+    callback = GradientCallback(root / "grads", config=config)
     trainer = Trainer(
         model=tiny_llama(vocab_size=len(tokenizer)), args=args, train_dataset=data,
         data_collator=_collator(tokenizer.pad_token_id), processing_class=tokenizer, callbacks=[callback],
@@ -75,9 +80,9 @@ def trained(tmp_path_factory, tiny_tokenizer):
     return root, train(root, tiny_tokenizer, max_steps=4, save_steps=2)
 
 
-def assert_rows_equal_assay_build(root: Path, step: int, examples: int) -> None:
+def assert_rows_equal_assay_build(root: Path, step: int, examples: int, normalizer: str) -> None:
     """The index of `step` holds `examples` rows, each equal to `assay build`'s at checkpoint-`step`
-    with the optimizer state saved there as the normalizer."""
+    with the optimizer state saved there as the normalizer (`--normalizer normalizer`)."""
     folder = root / "grads" / f"step-{step}"
     index = assay.open_index(folder, verify="full")
     assert len(index) == examples
@@ -86,7 +91,8 @@ def assert_rows_equal_assay_build(root: Path, step: int, examples: int) -> None:
     checkpoint = root / "trainer" / f"checkpoint-{step}"
     ref = root / "ref"
     args = ["build", str(ref), "--model", str(checkpoint), "--dataset", str(folder / "examples.jsonl")]
-    args += ["--normalizer", "adam", "--optimizer_state", str(checkpoint / "optimizer.pt"), *FLAGS]
+    assert index.meta["normalizer"] == normalizer
+    args += ["--normalizer", normalizer, "--optimizer_state", str(checkpoint / "optimizer.pt"), *FLAGS]
     assert main([*args, "--max_length", "64"]) == 0
     built = assay.open_index(ref)
     assert built.meta["model"]["fingerprint"] == index.meta["model"]["fingerprint"]  # the copy is θ_2
@@ -101,15 +107,15 @@ def assert_rows_equal_assay_build(root: Path, step: int, examples: int) -> None:
 def test_trainer_rows_equal_assay_build_at_the_checkpoint(trained):
     root, callback = trained
     assert callback.written == [root / "grads" / "step-2"]  # checkpoint-4 ends the run: no step follows
-    assert_rows_equal_assay_build(root, step=2, examples=6)  # both micro-batches of the step
+    assert_rows_equal_assay_build(root, step=2, examples=6, normalizer="adafactor")  # the default
 
 
 def test_trainer_under_torchrun_writes_the_global_batch(tmp_path):
     """2 data-parallel ranks: one index of the step's 12 examples (2 ranks x 2 micro-batches of 3),
-    each row still `assay build`'s at the checkpoint."""
+    each row still `assay build`'s at the checkpoint (here with the exact Adam normalizer)."""
     ok(torchrun(__file__, str(tmp_path)))
     assert not (tmp_path / "grads" / "step-2").exists()  # checkpoint-2 ends the run
-    assert_rows_equal_assay_build(tmp_path, step=1, examples=12)
+    assert_rows_equal_assay_build(tmp_path, step=1, examples=12, normalizer="adam")
 
 
 def test_an_index_written_during_training_is_scored(trained, tmp_path):
@@ -162,4 +168,4 @@ def test_misuse_is_one_line(tmp_path, tiny_tokenizer):
 
 
 if __name__ == "__main__":  # a rank of test_trainer_under_torchrun_writes_the_global_batch
-    train(Path(sys.argv[1]), make_tokenizer(), max_steps=2, save_steps=1)
+    train(Path(sys.argv[1]), make_tokenizer(), max_steps=2, save_steps=1, normalizer="adam")
