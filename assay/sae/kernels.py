@@ -116,7 +116,7 @@ class JumpReLUFn(torch.autograd.Function):
         ctx.save_for_backward(pre, threshold, active)
         ctx.bandwidth = bandwidth
         z = pre * active  # a multiply by the bool mask: ~2.5x faster than torch.where on CPU
-        return z, active.sum(dtype=torch.float32) / pre.shape[0]
+        return z, torch.count_nonzero(active).float() / pre.shape[0]
 
     @staticmethod
     def backward(ctx: Any, grad_z: Tensor, grad_l0: Tensor) -> Any:
