@@ -66,7 +66,10 @@ def load_checkpoint(
             f"{folder} holds {saved.get('optimizer', 'adam')} state but this run uses {_kind(opt)}; "
             "rerun with the same --optimizer or delete the checkpoint"
         )
-    sae.load_state_dict(load_file(str(folder / "sae.safetensors")))
+    state = load_file(str(folder / "sae.safetensors"))
+    if "log_threshold" in state:  # a checkpoint from before JumpReLU learned its threshold directly
+        state["jumprelu_threshold"] = state.pop("log_threshold").exp()
+    sae.load_state_dict(state)
     tensors = load_file(str(folder / "optimizer.safetensors"))
     for i, p in enumerate(sae.parameters()):
         entries = {k.split(".", 1)[1]: v for k, v in tensors.items() if k.split(".", 1)[0] == str(i)}

@@ -37,7 +37,7 @@ class SparseAutoencoder(nn.Module):
     act_scale: Tensor  # [] buffer: raw activations * act_scale = training scale
     target_scale: Tensor  # [] buffer (transcoders): raw targets * target_scale = training scale
     threshold_buf: Tensor  # [d_sae] buffer: BatchTopK's inference threshold
-    log_threshold: nn.Parameter  # [d_sae] (learned-threshold architectures only)
+    jumprelu_threshold: nn.Parameter  # [d_sae] (learned-threshold architectures only)
 
     def __init__(self, d_in: int, d_sae: int, arch: SaeArchConfig, d_out: int | None = None):
         """d_out: a transcoder's output width (None: an SAE, which reconstructs its input)."""
@@ -51,7 +51,9 @@ class SparseAutoencoder(nn.Module):
         self.W_dec = nn.Parameter(torch.empty(d_sae, self.d_out))
         self.b_dec = nn.Parameter(torch.zeros(self.d_out))
         if self.rule.learned_threshold:
-            self.log_threshold = nn.Parameter(torch.full((d_sae,), math.log(arch.jumprelu_init_threshold)))
+            # the threshold itself, as SAELens learns it: Adam moves it by ~lr per step, where a
+            # log-threshold moves by ~lr in log space (~1% of 0.01) and the L0 barely falls
+            self.jumprelu_threshold = nn.Parameter(torch.full((d_sae,), arch.jumprelu_init_threshold))
         self.register_buffer("threshold_buf", torch.zeros(d_sae))  # batchtopk at inference
         self.register_buffer("act_scale", torch.ones(()))  # raw activation -> training scale
         if self.transcoder:
@@ -121,7 +123,7 @@ class SparseAutoencoder(nn.Module):
     def threshold(self) -> Tensor:
         """[d_sae] JumpReLU threshold (learned) or BatchTopK's inference threshold."""
         if self.rule.learned_threshold:
-            return self.log_threshold.exp()
+            return self.jumprelu_threshold
         return self.threshold_buf
 
     def input_bias(self) -> Tensor | None:

@@ -17,7 +17,6 @@ SAELens's "transcoder" (ReLU) or "jumprelu_transcoder", with apply_b_dec_to_inpu
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +26,7 @@ from safetensors.torch import load_file, save_file
 from assay.core.errors import AssayError
 from assay.core.runs import read_json, write_json
 from assay.sae.architectures import REGISTRY, Architecture, saved_as
+from assay.sae.architectures.jumprelu import MIN_THRESHOLD
 from assay.sae.config import SaeArchConfig
 from assay.sae.model import SparseAutoencoder
 
@@ -159,8 +159,7 @@ def _load_weights(
         if sae.rule.learned_threshold:
             if "threshold" not in weights:
                 raise AssayError(f"{folder}: a jumprelu SAE needs `threshold` in {WEIGHTS_FILE}")
-            t = weights["threshold"].float().clamp_min(math.exp(-60))
-            sae.log_threshold.copy_(t.log())
+            sae.jumprelu_threshold.copy_(weights["threshold"].float().clamp_min(MIN_THRESHOLD))
 
 
 def _metadata(cfg: dict[str, Any]) -> dict[str, Any]:

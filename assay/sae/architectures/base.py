@@ -60,7 +60,7 @@ class Architecture:
     normalised_loss: ClassVar[bool] = False
     """The reconstruction loss is divided by the batch's variance (FVU, Gao et al.)."""
     learned_threshold: ClassVar[bool] = False
-    """Adds a learned per-latent `log_threshold` parameter."""
+    """Adds a learned per-latent `jumprelu_threshold` parameter."""
     saved_threshold: ClassVar[bool] = False
     """Saved with a `threshold` [d_sae] (as a JumpReLU)."""
     aux_window_default: ClassVar[int | None] = None

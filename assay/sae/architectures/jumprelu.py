@@ -1,7 +1,8 @@
-"""JumpReLU (Rajamanoharan et al. 2024): z = pre * 1[pre > theta], theta = exp(log_threshold)
-learned per latent through straight-through estimators (rectangle kernel of width
-jumprelu_bandwidth); loss MSE + l0_coefficient * L0. Threshold comparisons run in fp32.
-Saved as SAELens `jumprelu` with `threshold`."""
+"""JumpReLU (Rajamanoharan et al. 2024): z = pre * 1[pre > theta], the threshold theta learned
+per latent (as SAELens learns it: the parameter is theta, kept >= MIN_THRESHOLD after each step)
+through straight-through estimators (rectangle kernel of width jumprelu_bandwidth); loss MSE +
+l0_coefficient * L0. Threshold comparisons run in fp32. Saved as SAELens `jumprelu` with
+`threshold`."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from torch import Tensor
 
 from assay.sae.architectures.base import Architecture, register
 from assay.sae.kernels import JumpReLUFn
+
+MIN_THRESHOLD = 1e-6
 
 if TYPE_CHECKING:
     from assay.sae.model import SparseAutoencoder
@@ -36,6 +39,9 @@ class JumpReLU(Architecture):
 
     def sparsity_coefficient(self) -> float:
         return self.cfg.l0_coefficient
+
+    def after_step(self, sae: SparseAutoencoder, min_kept: Tensor | None, first: bool) -> None:
+        sae.jumprelu_threshold.clamp_(min=MIN_THRESHOLD)  # a threshold <= 0 would pass negative codes
 
     def dense_codes(self, sae: SparseAutoencoder, pre: Tensor) -> tuple[Tensor, Tensor]:
         # threshold comparisons against the fp32 threshold (bf16 pre promotes exactly)
