@@ -26,13 +26,7 @@ def return_freed_memory() -> None:
     Fixing the threshold, as the MALLOC_MMAP_THRESHOLD_ variable does, keeps the peak near the
     live peak. A threshold the user set in the environment is left alone; no-op off glibc.
     """
-    if not sys.platform.startswith("linux") or "MALLOC_MMAP_THRESHOLD_" in os.environ:
-        return
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc (e.g. musl): its allocator already returns large blocks
-        return
-    libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+    _mallopt({M_MMAP_THRESHOLD: MMAP_THRESHOLD_BYTES})
 
 
 def reuse_freed_memory(limit: int = REUSE_LIMIT_BYTES) -> None:
@@ -43,14 +37,20 @@ def reuse_freed_memory(limit: int = REUSE_LIMIT_BYTES) -> None:
     32 MiB dynamic ceiling even by default).
     The opposite trade of `return_freed_memory`; a threshold set in the environment is left alone.
     """
+    _mallopt({M_MMAP_THRESHOLD: limit, M_TRIM_THRESHOLD: limit})
+
+
+def _mallopt(settings: dict[int, int]) -> None:
+    """glibc's mallopt(param, value) for each setting; nothing when the user set the mmap
+    threshold in the environment, or off glibc (musl and others keep their own policy)."""
     if not sys.platform.startswith("linux") or "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return
     try:
         libc = ctypes.CDLL("libc.so.6")
-    except OSError:
+    except OSError:  # not glibc (e.g. musl): its allocator already returns large blocks
         return
-    libc.mallopt(M_MMAP_THRESHOLD, limit)
-    libc.mallopt(M_TRIM_THRESHOLD, limit)
+    for param, value in settings.items():
+        libc.mallopt(param, value)
 
 
 @contextmanager

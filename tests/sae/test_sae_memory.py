@@ -1,0 +1,41 @@
+"""The SAE training loop keeps its freed [tokens, latents] temporaries for reuse
+(`reuse_freed_memory`): a 4,096 x 4,096 step then faults in far fewer fresh pages (glibc)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+SCRIPT = """
+import resource, sys, torch
+from assay.core.memory import reuse_freed_memory
+from assay.core.precision import PrecisionPolicy
+from assay.sae.config import SaeArchConfig
+from assay.sae.metrics import DeadLatents
+from assay.sae.model import SparseAutoencoder
+from assay.sae.optim import make_optimizer
+from assay.sae.train import train_step
+if sys.argv[1] == "on":
+    reuse_freed_memory()
+torch.manual_seed(0)
+sae = SparseAutoencoder(64, 4096, SaeArchConfig(architecture="jumprelu"))
+opt = make_optimizer(sae, 1e-3, "adam")
+dead, policy, x = DeadLatents(4096, window=10**9), PrecisionPolicy.resolve("fp32"), torch.randn(4096, 64)
+train_step(sae, opt, x, dead, policy, 1e-3, 1.0, 1.0, True)  # the first step sizes the heap
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+train_step(sae, opt, x, dead, policy, 1e-3, 1.0, 1.0, False)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc allocator behaviour")
+def test_a_step_reuses_freed_temporaries():
+    def faults(mode: str) -> int:
+        out = subprocess.run([sys.executable, "-c", SCRIPT, mode], capture_output=True, text=True, check=True)
+        return int(out.stdout.strip())
+
+    kept, fresh = faults("on"), faults("off")
+    assert fresh > 100_000  # 64 MiB temporaries mapped afresh: 16,384 pages each
+    assert kept < fresh / 3
