@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_sae_common import DEAD_WINDOW_STEPS, Timer, batches, load_split, quality, record, scale_of  # noqa: E402
 
 from assay.core.config import DataConfig, ModelConfig  # noqa: E402
+from assay.core.memory import reuse_freed_memory  # noqa: E402
 from assay.core.paths import cache_dir  # noqa: E402
 from assay.core.precision import PrecisionPolicy  # noqa: E402
 from assay.lm.data import load_examples  # noqa: E402
@@ -234,6 +235,12 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0, help="batch order and initialisation")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument(
+        "--allocator",
+        default="reuse",
+        choices=["reuse", "glibc"],
+        help="reuse: freed temporaries kept for reuse, as assay's training loop sets it; glibc: its default",
+    )
     args = p.parse_args()
     if args.mode == "table":
         table(args.files)
@@ -247,6 +254,8 @@ def main() -> None:
     if args.mode == "prepare":
         prepare(args)
         return
+    if args.allocator == "reuse":
+        reuse_freed_memory()
     optim_mod.SIGNUM_LR_C = args.lr_c or optim_mod.SIGNUM_LR_C
     optim_mod.SIGNUM_ENCODER_STEP = args.encoder_step or optim_mod.SIGNUM_ENCODER_STEP
     d_in = int(json.loads((args.acts / "train" / "meta.json").read_text())["d_in"])
