@@ -44,7 +44,8 @@ from assay.integrations import GradientCallback, LiveConfig
 from assay.lm.models import load_model, load_tokenizer
 
 sys.path.insert(0, str(Path(__file__).parent))
-from machine import header, machine  # noqa: E402  (bench/ is not a package)
+from bench_build import cosines  # noqa: E402  (bench/ is not a package)
+from machine import header, machine  # noqa: E402
 
 
 class Clock(TrainerCallback):
@@ -122,7 +123,7 @@ def one_run(
 def agreement(rows: np.ndarray, exact: np.ndarray) -> dict[str, float]:
     """Per-example cosine of a normalizer's rows with the exact Adam normalizer's (same examples,
     same weights: the runs are deterministic): min and median."""
-    cos = (rows * exact).sum(1) / (np.linalg.norm(rows, axis=1) * np.linalg.norm(exact, axis=1))
+    cos = cosines(rows, exact)
     return {"min": float(cos.min()), "median": float(np.median(cos))}
 
 

@@ -66,7 +66,7 @@ class LiveConfig:
     adafactor (the default) reads Adafactor's factors, or an Adam(W)'s moments factored into row
     and column means (bergson's `to_adafactor`), which fold into the projections; adam divides
     each example's full weight gradient by Adam's exact moments, which makes the hooks form every
-    per-example weight gradient (+59-68% of a SmolLM2-135M step on 2 CPU cores against +7-15%;
+    per-example weight gradient (+59-68% of a SmolLM2-135M step on 2 CPU cores against +2-15%;
     docs/BENCHMARKS.md); none."""
     store_dtype: Literal["float32", "float16"] = "float32"
     """Dtype of the stored rows (as `assay build --store_dtype`)."""

@@ -153,7 +153,7 @@ class Architecture:
             else:
                 assert z is not None
                 active = z > 0
-                # bool summed as bytes with an int32 accumulator: ~2.5x faster than its own sum
+                # bool summed as bytes with an int32 accumulator: faster than a bool tensor's own sum
                 counts = active.view(torch.uint8).sum(0, dtype=torch.int32).long()
                 l0 = counts.sum().float() / len(z)
                 kept = z[active].float() if self.tracks_min_kept else None

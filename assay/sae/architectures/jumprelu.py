@@ -45,5 +45,4 @@ class JumpReLU(Architecture):
 
     def dense_codes(self, sae: SparseAutoencoder, pre: Tensor) -> tuple[Tensor, Tensor]:
         # threshold comparisons against the fp32 threshold (bf16 pre promotes exactly)
-        z, l0 = JumpReLUFn.apply(pre, sae.threshold(), self.cfg.jumprelu_bandwidth)
-        return z, l0
+        return JumpReLUFn.apply(pre, sae.threshold(), self.cfg.jumprelu_bandwidth)
