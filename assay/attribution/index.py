@@ -45,7 +45,7 @@ from assay.core.distributed import Distributed
 from assay.core.errors import AssayError, first_line
 from assay.core.precision import STATS_DTYPE, full_precision
 from assay.core.runs import DONE_FILE, read_json, write_json
-from assay.lm.models import FINGERPRINT_VERSION, fingerprint_as
+from assay.lm.models import STRICT_FINGERPRINT, fingerprint_as
 
 META_FILE = "index.json"
 GRADIENTS_FILE = "gradients.npy"
@@ -358,7 +358,7 @@ def index_fingerprint(model: torch.nn.Module, meta: dict[str, Any]) -> str:
     """The model's fingerprint of the kind the index recorded (an index from before byte
     fingerprints is checked with the older, weaker one, and says so)."""
     version = int(meta["model"].get("fingerprint_version", 1))
-    if version < FINGERPRINT_VERSION:
+    if version < STRICT_FINGERPRINT:
         note("this index records the older model fingerprint (weight sums): rebuild it for the strict check")
     return fingerprint_as(model, version)
 

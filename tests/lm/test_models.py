@@ -77,3 +77,46 @@ def test_offline_failure_to_prepare_bundled_data_is_one_line(tmp_path, tiny_mode
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr
     assert "shakespeare" in proc.stderr.strip().splitlines()[-1]
+
+
+def test_fingerprint_pieces_are_threaded_and_ordered(tiny_model_dir):
+    """Version 3 hashes 64-byte pieces on any number of threads to the same value; a flipped bit in
+    any piece, or two pieces swapped, changes it; indexes recorded with version 2 (one stream)
+    are still checked with version 2."""
+    from assay.lm.models import fingerprint_as, sequential_fingerprint
+
+    model = load_model(ModelConfig(model=str(tiny_model_dir)), FP32)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = model_fingerprint(model, piece=64)
+        torch.set_num_threads(2)
+        assert model_fingerprint(model, piece=64) == one
+    finally:
+        torch.set_num_threads(threads)
+    assert model_fingerprint(model, piece=128) != one  # the pieces are part of what is hashed
+    assert fingerprint_as(model, 2) == sequential_fingerprint(model) != model_fingerprint(model)
+    weight = model.model.layers[0].mlp.up_proj.weight  # 64 x 32 fp32 = 128 pieces of 64 bytes
+    with torch.no_grad():
+        flat = weight.view(-1)
+        flat[:16], flat[16:32] = flat[16:32].clone(), flat[:16].clone()  # swap pieces 0 and 1
+        swapped = model_fingerprint(model, piece=64)
+        assert swapped != one
+        flat.view(torch.int32)[-1] ^= 1  # the last piece's lowest bit
+        assert model_fingerprint(model, piece=64) not in (one, swapped)
+
+
+def test_tokenizer_fingerprint_follows_the_tokenizer(tiny_model_dir):
+    """Remembered per tokenizer, yet never stale: per-call truncation leaves it, a new token
+    changes it."""
+    from assay.lm.data import tokenizer_fingerprint
+
+    tokenizer = load_tokenizer(ModelConfig(model=str(tiny_model_dir)))
+    before = tokenizer_fingerprint(tokenizer)
+    assert tokenizer_fingerprint(tokenizer) == before
+    tokenizer("some text", truncation=True, max_length=2)
+    assert tokenizer_fingerprint(tokenizer) == before
+    tokenizer.add_tokens(["<new-token>"])
+    after = tokenizer_fingerprint(tokenizer)
+    assert after != before
+    assert tokenizer_fingerprint(load_tokenizer(ModelConfig(model=str(tiny_model_dir)))) == before
