@@ -10,8 +10,13 @@ Two ways in:
 - a causal LM fine-tuned by assay's recipe: `ground_truth_jobs` / `run_job` (used by
   `assay validate`), one job per subset, resumable and shardable over torchrun ranks.
 
-LM subset runs replay the full run's visit order restricted to the subset (as `assay finetune
---ordered` does), so subsets differ only in which examples they hold, not in when they are seen.
+LM subset runs leave examples out in one of two ways (`RetrainSetup.removal`):
+- "skip": the full run's visit order restricted to the subset (as `assay finetune --ordered`
+  does), so subsets differ only in which examples they hold, not in when they are seen; the
+  batches close up over the gaps, so a subset runs fewer, differently composed steps;
+- "weight": the full run's own batches and steps, the left-out examples' loss weights 0 and each
+  step's loss still divided by its whole batch's tokens. This is the counterfactual the
+  metagradients (`--methods replay`) differentiate, and the one bergson's LDS retrains.
 """
 
 from __future__ import annotations
@@ -106,6 +111,8 @@ class RetrainSetup:
     pad_id: int
     policy: Any
     token_batch_size: int
+    removal: str = "skip"
+    """How a subset leaves examples out: "skip" or "weight" (the module docstring)."""
 
 
 def subset_masks(n: int, num_subsets: int, alpha: float, seed: int) -> np.ndarray:
@@ -122,12 +129,16 @@ def run_subset(setup: RetrainSetup, mask: np.ndarray, m: int, folder: Path) -> N
     cfg = setup.recipe_cfg
     ids = setup.pool.ids[mask]
     full_plan = shuffled_plan(setup.pool.ids, cfg.recipe.num_epochs, cfg.runtime.seed)
-    train = setup.pool.subset(setup.pool.positions_of(ids))
+    if setup.removal == "weight":
+        data = TrainData(setup.pool, None, None, full_plan, mask.astype(np.float64), weight_tokens=False)
+    else:
+        data = TrainData(
+            setup.pool.subset(setup.pool.positions_of(ids)), None, None, restricted_plan(full_plan, ids)
+        )
     with Distributed.alone(), tempfile.TemporaryDirectory(dir=folder) as scratch:
         quiet = replace(cfg, out=scratch, save_every=0, eval_every=0, log_every=10**9)
         model = load_model(cfg.model, setup.policy, cfg.runtime.attention)
-        trainer = Trainer(quiet, model, TrainData(train, None, None, restricted_plan(full_plan, ids)),
-                          setup.policy, setup.pad_id, Path(scratch))  # fmt: skip
+        trainer = Trainer(quiet, model, data, setup.policy, setup.pad_id, Path(scratch))
         trainer.run()
         losses = query_losses(model, setup)
     write_json(job_file(folder, m), {"subset": m, "examples": int(mask.sum()), "outputs": losses.tolist()})

@@ -92,6 +92,12 @@ class ValidateConfig:
     """Fraction of the pool each subset keeps."""
     subset_seed: int = 0
     """Seed of the subsets (subset m depends on it and m only)."""
+    removal: Literal["skip", "weight"] = "skip"
+    """How a retraining leaves the rest of the pool out. skip: trains on the subset alone, in the
+    full run's visit order (the batches close up: fewer, other steps). weight: the full run's own
+    batches and steps with the left-out examples' loss weights at 0 (each step still divided by
+    its whole batch's tokens): the counterfactual exact metagradients (replay) differentiate, and
+    the one bergson's LDS retrains."""
     methods: tuple[str, ...] = ()
     """Attribution methods computed here on the full run's model and validated: trackstar, cosine,
     inner, influence, kfac, ekfac, replay (exact metagradients through the full run, at the run's
@@ -177,7 +183,13 @@ def ground_truth(cfg: ValidateConfig, root: Path) -> GroundTruth:
     queries = load_queries(cfg.queries, cfg.data.max_length, tokenizer)
     masks = subset_masks(len(pool), cfg.num_subsets, cfg.alpha, cfg.subset_seed)
     setup = RetrainSetup(
-        full_config(cfg, root), pool, queries, tokenizer.pad_token_id, policy, cfg.token_batch_size
+        full_config(cfg, root),
+        pool,
+        queries,
+        tokenizer.pad_token_id,
+        policy,
+        cfg.token_batch_size,
+        cfg.removal,
     )
     folder.mkdir(parents=True, exist_ok=True)
     dist = Distributed.current()
@@ -194,7 +206,13 @@ def ground_truth(cfg: ValidateConfig, root: Path) -> GroundTruth:
         outputs = collect_outputs(folder, cfg.num_subsets, len(queries.ids))
         truth = GroundTruth(masks, outputs, pool.ids.astype(np.int64), list(queries.ids), queries.texts, full)
         truth.save(
-            folder, {"alpha": cfg.alpha, "num_subsets": cfg.num_subsets, "subset_seed": cfg.subset_seed}
+            folder,
+            {
+                "alpha": cfg.alpha,
+                "num_subsets": cfg.num_subsets,
+                "subset_seed": cfg.subset_seed,
+                "removal": cfg.removal,
+            },
         )
     dist.barrier()
     return GroundTruth.load(folder)

@@ -116,6 +116,7 @@ class TrainData:
     eval: Examples | None
     plan: list[np.ndarray]  # example ids per epoch, in visit order
     weights: np.ndarray | None = None  # [len(train)] per-example loss weights (CRAIG's), or None
+    weight_tokens: bool = True  # a weight counts its example's tokens too (`train_step`)
 
 
 def eval_data_config(cfg: FinetuneConfig) -> DataConfig | None:
@@ -232,6 +233,7 @@ class Trainer:
                     self.pad_id,
                     self.scaler,
                     self.data.weights,
+                    self.data.weight_tokens,
                 )
                 lr = self.lrs[step]
                 norm = optimizer_update(self.model, self.optimizer, self.scaler, cfg.recipe.max_grad_norm, lr)

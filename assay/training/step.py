@@ -37,26 +37,35 @@ def train_step(
     pad_id: int,
     scaler: Any,
     weights: np.ndarray | None = None,
+    weight_tokens: bool = True,
 ) -> tuple[float, float, int]:
     """Accumulate the effective batch's gradient; returns (summed loss, loss tokens, real tokens).
 
     Each micro-batch's summed token loss is divided by the whole batch's loss-token count,
     so the accumulated gradient is the token-mean gradient of the effective batch. With
     `weights` [len(examples)] (e.g. CRAIG's), example i's loss and tokens count w_i times: a
-    weight of 2 trains exactly as the example twice in the batch.
+    weight of 2 trains exactly as the example twice in the batch. With `weight_tokens` False the
+    token count stays the unweighted batch's and a weight scales only its example's loss term
+    (the step loss the metagradients differentiate): a weight of 0 leaves the example out of an
+    otherwise unchanged batch, and it is skipped.
     """
     positions = positions[np.argsort(-examples.lengths[positions], kind="stable")]  # less padding
+    stand_in = positions[-1:]  # what a micro-batch of no examples runs, at weight 0
     counts = examples.num_loss_tokens()[positions].astype(np.float64)
-    loss_tokens = float((counts if weights is None else counts * weights[positions]).sum())  # whole batch
+    loss_tokens = float(counts.sum())  # the whole batch's
+    if weights is not None and weight_tokens:
+        loss_tokens = float((counts * weights[positions]).sum())
+    elif weights is not None:
+        positions = positions[weights[positions] != 0]  # nothing to add; a step of none runs one at 0
     # Data-parallel: each rank takes every world-th example (balanced lengths), so accumulation
     # steps per rank = effective / (micro x world); summing the ranks' gradients gives exactly
     # the one-process gradient (each micro-batch already divides by the global token count).
     dist = Distributed.current()
     mine = dist.interleave_array(positions)
     total, real = 0.0, 0
-    for chunk in _micro_batches(mine, len(positions), micro_batch_size, dist.world_size):
+    for chunk in _micro_batches(mine, max(len(positions), 1), micro_batch_size, dist.world_size):
         weight = 1.0 if len(chunk) else 0.0  # a rank short of examples runs one with weight 0
-        batch = collate(examples, chunk if len(chunk) else positions[-1:], pad_id, policy.device)
+        batch = collate(examples, chunk if len(chunk) else stand_in, pad_id, policy.device)
         with policy.autocast():
             losses = example_losses(model, batch)  # [b] fp32 summed token losses
         with full_precision(policy.device):

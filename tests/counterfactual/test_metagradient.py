@@ -180,6 +180,45 @@ def test_replay_matches_assay_finetune_steps(lora: bool, precision: str) -> None
         assert torch.equal(mine, theirs.detach())
 
 
+def test_zero_weights_in_training_are_the_replays_counterfactual() -> None:
+    """`train_step(weights, weight_tokens=False)` (validate's --removal weight) trains as the
+    replay with those weights: left-out examples drop from unchanged batches whose loss is still
+    divided by all their tokens, and a step left with no example still moves Adam's state."""
+    from assay.training.step import optimizer_update, train_step
+
+    examples = random_examples(16, 64)
+    model = tiny_llama(vocab_size=64)
+    model.train()
+    reference = copy.deepcopy(model)
+    steps = [finetune_order(examples.lengths, s) for s in random_steps(16, 5, 4)]
+    opt = AdamWSettings(schedule(5, 2e-2), (0.9, 0.999), 1e-8, weight_decay=0.01, max_grad_norm=2.0)
+    loss_fn, curvature = lm_loss_fns(examples, 0, "cpu")
+    policy = PrecisionPolicy.resolve("fp32")
+    run = TrainingRun(steps, examples.num_loss_tokens(), loss_fn, opt, 2, policy, curvature_loss_fn=curvature)
+    mask = np.ones(16)
+    mask[steps[2]] = 0  # step 2 keeps none of its examples
+    mask[steps[0][:1]] = 0
+    final = Replay(model, run).forward(torch.as_tensor(mask, dtype=torch.float32))
+    params = [p for p in reference.parameters() if p.requires_grad]
+    torch_opt = torch.optim.AdamW(params, betas=opt.betas, weight_decay=opt.weight_decay, foreach=False)
+    norms = []
+    for t, positions in enumerate(run.steps):
+        train_step(reference, examples, positions, 2, policy, 0, None, mask, weight_tokens=False)
+        norms.append(optimizer_update(reference, torch_opt, None, opt.max_grad_norm, opt.lrs[t]))
+    assert norms[2] == 0.0
+    for mine, theirs in zip(final, params):  # the same sums grouped into other micro-batches
+        torch.testing.assert_close(mine, theirs.detach(), rtol=1e-5, atol=1e-6)
+    # the same weights counting their tokens (CRAIG's) divide step 0 by its kept tokens instead
+    grads = []
+    for weight_tokens in (False, True):
+        fresh = copy.deepcopy(model)
+        train_step(fresh, examples, steps[0], 2, policy, 0, None, mask, weight_tokens)
+        grads.append(fresh.model.layers[0].mlp.up_proj.weight.grad)
+    tokens = examples.num_loss_tokens()[steps[0]].astype(np.float64)
+    ratio = tokens.sum() / (tokens * mask[steps[0]]).sum()
+    torch.testing.assert_close(grads[1], grads[0] * ratio, rtol=1e-5, atol=1e-7)
+
+
 # ---------------------------------------------------------------------------------------------
 # The reverse pass equals finite differences (float64)
 

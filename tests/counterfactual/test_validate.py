@@ -257,3 +257,31 @@ def test_another_recipe_is_refused_by_name(experiment, tiny_model_dir):
     changed = replace(cfg, recipe=replace(RECIPE, learning_rate=1e-2))
     with pytest.raises(AssayError, match="--learning_rate"):
         validate(changed)
+
+
+def test_weight_removal_is_the_replays_counterfactual(experiment, tiny_model_dir):
+    """--removal weight: subset m's outputs are the queries' losses under the full run replayed with
+    the left-out examples' weights at 0 (what the metagradients differentiate); skip differs."""
+    import torch
+
+    from assay.counterfactual.from_run import load_replay
+
+    root, _, _ = experiment
+    cfg = replace(_cfg(root, tiny_model_dir), out=str(root / "lds-weight"), removal="weight")
+    validate(cfg)
+    truth = GroundTruth.load(root / "lds-weight" / "ground_truth")
+    skipped = GroundTruth.load(root / "lds" / "ground_truth")
+    assert np.array_equal(truth.masks, skipped.masks) and not np.allclose(truth.outputs, skipped.outputs)
+    assert (
+        json.loads((root / "lds-weight" / "ground_truth" / "ground_truth.json").read_text())["removal"]
+        == "weight"
+    )
+    replayed = load_replay(root / "lds-weight" / "full", device="cpu")
+    assert replayed.train.ids.tolist() == truth.ids.tolist()
+    tokenizer = load_tokenizer(cfg.model)
+    queries = load_queries(cfg.queries, 32, tokenizer)
+    for m in (0, 3):
+        replayed.replay.forward(torch.as_tensor(truth.masks[m], dtype=torch.float32))
+        model = replayed.replay.model.eval()
+        want = evaluate_losses(model, queries.examples, _fp32(), tokenizer.pad_token_id, 512)
+        np.testing.assert_allclose(truth.outputs[m], want, rtol=1e-4)
