@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import sys
 import zipfile
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
@@ -191,6 +192,16 @@ def _piece_digest(piece: memoryview) -> bytes:
     return hashlib.sha256(piece).digest()  # sha256 lets go of the GIL on a buffer this size
 
 
+def _weight_bytes(model: Any) -> Iterator[tuple[bytes, Any, bool]]:
+    """Per parameter, in order: its header (name, shape, dtype), the bytes of its values, and
+    whether those are a copy made for the hash (a gathered shard or a host copy). Call it under
+    no_grad."""
+    for name, p in model.named_parameters():
+        whole = fsdp.full_tensor(p).detach()  # --fsdp: every rank gathers it (one at a time)
+        copied = p.device.type != "cpu" or type(p.data).__name__ == "DTensor"
+        yield f"|{name}|{tuple(whole.shape)}|{whole.dtype}|".encode(), tensor_bytes(whole), copied
+
+
 def model_fingerprint(model: Any, piece: int = HASH_PIECE) -> str:
     """A short hash of the architecture and of the bytes of every parameter: any change to any
     weight (a permuted row, one flipped bit) changes it; moving the folder or upgrading
@@ -205,14 +216,12 @@ def model_fingerprint(model: Any, piece: int = HASH_PIECE) -> str:
     h = _config_hash(model)
     parts: list[bytes | Future[bytes]] = []
     with torch.no_grad(), ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
-        for name, p in model.named_parameters():
-            whole = fsdp.full_tensor(p).detach()  # --fsdp: every rank gathers it (one at a time)
-            parts.append(f"|{name}|{tuple(whole.shape)}|{whole.dtype}|".encode())
-            data = memoryview(tensor_bytes(whole)).cast("B")
+        for header, values, copied in _weight_bytes(model):
+            data = memoryview(values).cast("B")
             pieces = [pool.submit(_piece_digest, data[i : i + piece]) for i in range(0, len(data), piece)]
-            if p.device.type != "cpu" or type(p.data).__name__ == "DTensor":
-                wait(pieces)  # a gathered or host copy: hashed before the next one is made
-            parts.extend(pieces)
+            if copied:
+                wait(pieces)  # hashed before the next copy is made
+            parts += [header, *pieces]
     for part in parts:
         h.update(part if isinstance(part, bytes) else part.result())
     return h.hexdigest()[:16]
@@ -223,10 +232,9 @@ def sequential_fingerprint(model: Any) -> str:
     indexes built with version 2 recorded)."""
     h = _config_hash(model)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            whole = fsdp.full_tensor(p).detach()
-            h.update(f"|{name}|{tuple(whole.shape)}|{whole.dtype}|".encode())
-            h.update(tensor_bytes(whole))
+        for header, values, _ in _weight_bytes(model):
+            h.update(header)
+            h.update(values)
     return h.hexdigest()[:16]
 
 
