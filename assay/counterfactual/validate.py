@@ -86,6 +86,10 @@ class ValidateConfig:
     """Training tunes in the abc preset's pool."""
     query_size: int = 24
     """Held-out tunes in the abc preset's query set."""
+    preset_learning_rate: float = ABC_RECIPE.learning_rate
+    """Peak learning rate of the abc preset's fine-tune. 1e-3 is the coreset experiments' recipe;
+    at 3e-4 the run is smooth enough for its exact metagradient to predict small drops
+    (docs/validation.md)."""
     num_subsets: int = 32
     """M: random subsets retrained (each its own fine-tune from the base model)."""
     alpha: float = 0.5
@@ -135,6 +139,8 @@ class ValidateConfig:
             )
         if not 0.0 < self.alpha < 1.0:
             raise AssayError(f"--alpha must be in (0, 1), got {self.alpha}")
+        if not 0.0 < self.preset_learning_rate < 1.0:
+            raise AssayError(f"--preset_learning_rate must be in (0, 1), got {self.preset_learning_rate}")
         if min(self.pool_size, self.query_size, self.token_batch_size, self.bootstrap) < 1:
             raise AssayError("--pool_size, --query_size, --token_batch_size and --bootstrap must be >= 1")
         if min(self.damping, self.replay_from_step, self.projection_dim) < 0:
@@ -160,7 +166,8 @@ def resolve(cfg: ValidateConfig, root: Path) -> ValidateConfig:
     methods = cfg.methods or tuple(m for m in METHODS if m != "replay")  # replay: opt in (its cost)
     precisions = cfg.index_precisions if cfg.index_precisions != ("fp32",) else ("bf16", "fp32")
     runtime = replace(cfg.runtime, precision="fp32")  # the reference run: replayed exactly, in fp32
-    return replace(cfg, model=ModelConfig(model="assay-tiny"), data=data, queries=queries, recipe=ABC_RECIPE,
+    recipe = replace(ABC_RECIPE, learning_rate=cfg.preset_learning_rate)
+    return replace(cfg, model=ModelConfig(model="assay-tiny"), data=data, queries=queries, recipe=recipe,
                    runtime=runtime, methods=methods, index_precisions=precisions)  # fmt: skip
 
 

@@ -285,3 +285,14 @@ def test_weight_removal_is_the_replays_counterfactual(experiment, tiny_model_dir
         model = replayed.replay.model.eval()
         want = evaluate_losses(model, queries.examples, _fp32(), tokenizer.pad_token_id, 512)
         np.testing.assert_allclose(truth.outputs[m], want, rtol=1e-4)
+
+
+def test_the_abc_preset_trains_at_its_learning_rate(tmp_path):
+    """--preset_learning_rate replaces the preset's recipe's peak rate and nothing else of it."""
+    preset = validate_mod.ABC_RECIPE
+    cfg = ValidateConfig(out=str(tmp_path), preset="abc", pool_size=8, query_size=2)
+    cfg = replace(cfg, preset_learning_rate=3e-4)
+    assert validate_mod.resolve(cfg, tmp_path).recipe == replace(preset, learning_rate=3e-4)
+    assert validate_mod.resolve(replace(cfg, preset_learning_rate=1e-3), tmp_path).recipe == preset
+    with pytest.raises(AssayError, match="--preset_learning_rate"):
+        ValidateConfig(out=str(tmp_path), preset="abc", preset_learning_rate=0.0)
