@@ -129,6 +129,29 @@ class JumpReLUFn(torch.autograd.Function):
         return grad_z * active, grad_t, None
 
 
+class ReLUL1Fn(torch.autograd.Function):
+    """(z, penalty) = (relu(pre), mean over tokens of sum_j z_j * norms_j): ReLU and its L1 penalty
+    weighed by the decoder row norms, in one function. The penalty is read from the per-latent
+    column sums (fp32 accumulation, also the norms' gradient), so no [N, d_sae] product is
+    formed either way; the backward adds the penalty's constant row and masks once. z keeps
+    pre's dtype; norms are fp32."""
+
+    @staticmethod
+    def forward(ctx: Any, pre: Tensor, norms: Tensor) -> tuple[Tensor, Tensor]:
+        z = F.relu(pre)
+        column_sums = z.sum(0, dtype=torch.float32)  # [d_sae]
+        ctx.save_for_backward(z, norms, column_sums)
+        return z, column_sums.dot(norms.float()) / pre.shape[0]
+
+    @staticmethod
+    def backward(ctx: Any, grad_z: Tensor, grad_penalty: Tensor) -> Any:
+        z, norms, column_sums = ctx.saved_tensors
+        per_token = grad_penalty / z.shape[0]
+        row = (per_token * norms).to(grad_z.dtype)  # d penalty / d z[n, j], the same for every n
+        grad_pre = torch.ops.aten.threshold_backward(grad_z + row, z, 0)  # 0 where z = 0
+        return grad_pre, (per_token * column_sums).to(norms.dtype)
+
+
 def topk_per_token(pre: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """(rows, cols) of the k largest entries of each row of pre [N, d_sae], token-major."""
     n = pre.shape[0]

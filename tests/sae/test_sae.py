@@ -14,7 +14,7 @@ from assay.core.errors import AssayError
 from assay.core.precision import PrecisionPolicy
 from assay.core.runs import config_from_dict, config_to_dict
 from assay.sae.config import SaeArchConfig, SaeTrainConfig
-from assay.sae.kernels import JumpReLUFn
+from assay.sae.kernels import JumpReLUFn, ReLUL1Fn
 from assay.sae.metrics import DeadLatents, ReconstructionStats, fvu
 from assay.sae.model import THRESHOLD_BETA, SparseAutoencoder, select_active
 from assay.sae.saelens_format import load_sae, save_sae
@@ -115,6 +115,30 @@ def test_jumprelu_threshold_gradient_is_the_straight_through_estimator(coef: flo
     z_low, _ = JumpReLUFn.apply(low, t, 0.5)
     assert z_low.dtype == torch.bfloat16
     torch.testing.assert_close(z_low, low * (low.float() > t), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("coef", [0.0, 0.7])
+def test_relu_l1_gradients_equal_the_penalty_written_out(coef: float) -> None:
+    """ReLU's fused function against autograd through relu and sum_j z_j |W_dec row j| / N."""
+    x = torch.randn(24, 16)
+    fused, plain = make_sae("relu"), make_sae("relu")
+    out = fused.train_forward(x, None, sparsity_coef=coef)
+    out.loss.backward()
+    z = F.relu(plain.pre_acts(x))
+    penalty = (z * plain.W_dec.norm(dim=1)).sum(-1).mean()
+    (((plain.decode(z) - x).pow(2).sum(-1).mean()) + coef * penalty).backward()
+    torch.testing.assert_close(out.sparsity, penalty.detach(), rtol=1e-6, atol=1e-6)
+    assert (z > 0).any() and (z == 0).any()  # both sides of the mask exercised
+    for name, p in fused.named_parameters():
+        torch.testing.assert_close(p.grad, dict(plain.named_parameters())[name].grad, rtol=1e-5, atol=1e-6)
+    # bf16 pre stays bf16 (no fp32 copy of the codes); the penalty is accumulated in fp32
+    low = plain.pre_acts(x).detach().bfloat16().requires_grad_(True)
+    norms = torch.rand(low.shape[1])
+    z_low, pen = ReLUL1Fn.apply(low, norms)
+    assert z_low.dtype == torch.bfloat16 and pen.dtype == torch.float32
+    torch.testing.assert_close(pen, (F.relu(low).float() * norms).sum(-1).mean(), rtol=1e-5, atol=1e-5)
+    (d_pre,) = torch.autograd.grad(pen, low)
+    torch.testing.assert_close(d_pre.float(), ((low > 0) * norms / len(low)).float(), rtol=1e-2, atol=1e-6)
 
 
 class _RecordDtypes(TorchDispatchMode):

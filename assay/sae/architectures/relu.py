@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from assay.sae.architectures.base import Architecture, register
+from assay.sae.kernels import ReLUL1Fn
 
 if TYPE_CHECKING:
     from assay.sae.model import SparseAutoencoder
@@ -30,5 +31,4 @@ class ReLU(Architecture):
         return self.cfg.l1_coefficient
 
     def dense_codes(self, sae: SparseAutoencoder, pre: Tensor) -> tuple[Tensor, Tensor]:
-        z = F.relu(pre)
-        return z, (z.float() * sae.W_dec.norm(dim=1)).sum(-1).mean()
+        return ReLUL1Fn.apply(pre, sae.W_dec.norm(dim=1))
