@@ -9,6 +9,7 @@ trainer run in the peers' environment that `make test-interop` builds):
   .venv-peers/bin/python bench/bench_sae_synthetic.py saelens  --data DIR
   .venv/bin/python       bench/bench_sae_synthetic.py score    --data DIR   (markdown table)
   .venv-peers/bin/python bench/bench_sae_synthetic.py crosscheck --data DIR (SAELens's own MCC/F1)
+  .venv/bin/python       bench/bench_sae_synthetic.py floor    --data DIR   (the dense step's GEMMs alone)
 
 `generate` builds a SyntheticModel scaled down from SynthSAEBench-16k (same recipe: Zipfian
 firing, exponent 0.5 from 0.4 to 5e-4; hierarchy with branching 4, depth 3, mutually exclusive
@@ -176,6 +177,29 @@ def run_assay(args: argparse.Namespace) -> None:
             save_line(args, {**rec, "optimizer": kind, "tokens_per_s": speed, "train_dead": dead.fraction()})
 
 
+# ---- the dense floor --------------------------------------------------------------------------
+def run_floor(args: argparse.Namespace) -> None:
+    """Tokens/s of the five matrix products every dense (ReLU, JumpReLU) SAE step needs, and
+    nothing else: encode and decode forward; the codes', decoder's and encoder's gradients. No
+    dense step at that precision can run faster, in either library."""
+    d_in, n = load_split(args.data / "train").shape[1], args.batch
+    for precision in args.precision:
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        x, w_enc, w_dec = (
+            torch.randn(*s).to(dtype) for s in ((n, d_in), (d_in, args.d_sae), (args.d_sae, d_in))
+        )
+        timer = Timer()
+        for i in range(args.samples // n):
+            timer.step(i)
+            z = x @ w_enc  # [N, d_sae]
+            err = z @ w_dec  # [N, d_in]
+            grad_z = err @ w_dec.t()
+            _ = z.t() @ err  # decoder gradient
+            _ = x.t() @ grad_z  # encoder gradient
+        rec = {"name": f"floor-{precision}", "library": "floor", "precision": precision}
+        print(json.dumps({**rec, "tokens_per_s": timer.tokens_per_s(n), **machine()}), flush=True)
+
+
 # ---- SAELens (peers' environment) ----------------------------------------------------------
 def saelens_sae(arch: str, d_in: int, d_sae: int, k: int, steps: int) -> Any:
     import sae_lens as sl
@@ -302,7 +326,7 @@ def crosscheck(args: argparse.Namespace) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["generate", "assay", "saelens", "score", "crosscheck"])
+    p.add_argument("mode", choices=["generate", "assay", "saelens", "score", "crosscheck", "floor"])
     p.add_argument("--data", type=Path, required=True, help="the dataset folder")
     p.add_argument("--features", type=int, default=4096, help="generate: ground-truth features")
     p.add_argument("--hidden", type=int, default=256, help="generate: activation width d")
@@ -325,6 +349,7 @@ def main() -> None:
         "saelens": run_saelens,
         "score": score,
         "crosscheck": crosscheck,
+        "floor": run_floor,
     }[args.mode](args)
     print(f"# {args.mode}: {time.perf_counter() - started:.0f} s", file=sys.stderr)
 
