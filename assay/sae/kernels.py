@@ -129,6 +129,24 @@ class JumpReLUFn(torch.autograd.Function):
         return grad_z * active, grad_t, None
 
 
+def column_totals(z: Tensor) -> Tensor:
+    """[d_sae] fp32 sums over tokens of z [N, d_sae]. fp32: a matrix-vector product, about twice
+    as fast on CPU as a reduction over the rows; other dtypes: a reduction accumulated in fp32
+    (a product in z's dtype would round the totals)."""
+    if z.dtype == torch.float32:
+        return z.new_ones(z.shape[0]) @ z
+    return z.sum(0, dtype=torch.float32)
+
+
+def firing_counts(z: Tensor) -> Tensor:
+    """[d_sae] int64: tokens on which each latent fires, for codes z [N, d_sae] >= 0 (every
+    architecture's). fp32: the totals of sign(z), exact below 2^24 tokens and about twice as fast
+    as summing the bool mask as bytes, which other dtypes do."""
+    if z.dtype == torch.float32:
+        return column_totals(torch.sign(z)).long()
+    return (z > 0).view(torch.uint8).sum(0, dtype=torch.int32).long()
+
+
 class ReLUL1Fn(torch.autograd.Function):
     """(z, penalty) = (relu(pre), mean over tokens of sum_j z_j * norms_j): ReLU and its L1 penalty
     weighed by the decoder row norms, in one function. The penalty is read from the per-latent
@@ -139,7 +157,7 @@ class ReLUL1Fn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, pre: Tensor, norms: Tensor) -> tuple[Tensor, Tensor]:
         z = F.relu(pre)
-        column_sums = z.sum(0, dtype=torch.float32)  # [d_sae]
+        column_sums = column_totals(z)  # [d_sae] fp32
         ctx.save_for_backward(z, norms, column_sums)
         return z, column_sums.dot(norms.float()) / pre.shape[0]
 

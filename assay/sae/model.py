@@ -140,7 +140,13 @@ class SparseAutoencoder(nn.Module):
     def pre_acts(self, x: Tensor) -> Tensor:
         """[N, d_sae] encoder pre-activations of normalised activations x [N, d_in]."""
         b_in = self.input_bias()
-        return torch.addmm(self.b_enc, x if b_in is None else x - b_in, self.W_enc)
+        if b_in is None:
+            return torch.addmm(self.b_enc, x, self.W_enc)
+        # b_dec's gradient through the encoder, -(sum over tokens of d pre) @ W_enc^T, reaches it
+        # through the bias as a zero-valued term: autograd would otherwise form the input's
+        # gradient, a whole [N, d_sae] x [d_sae, d_in] product, only to sum it over tokens.
+        zero = b_in - b_in.detach()
+        return torch.addmm(self.b_enc - zero @ self.W_enc, x - b_in.detach(), self.W_enc)
 
     def encode(self, x: Tensor) -> Tensor:
         """[N, d_sae] latent activations, by the architecture's inference rule (as saved:

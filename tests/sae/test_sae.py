@@ -14,7 +14,7 @@ from assay.core.errors import AssayError
 from assay.core.precision import PrecisionPolicy
 from assay.core.runs import config_from_dict, config_to_dict
 from assay.sae.config import SaeArchConfig, SaeTrainConfig
-from assay.sae.kernels import JumpReLUFn, ReLUL1Fn
+from assay.sae.kernels import JumpReLUFn, ReLUL1Fn, column_totals, firing_counts
 from assay.sae.metrics import DeadLatents, ReconstructionStats, fvu
 from assay.sae.model import THRESHOLD_BETA, SparseAutoencoder, select_active
 from assay.sae.saelens_format import load_sae, save_sae
@@ -124,7 +124,7 @@ def test_relu_l1_gradients_equal_the_penalty_written_out(coef: float) -> None:
     fused, plain = make_sae("relu"), make_sae("relu")
     out = fused.train_forward(x, None, sparsity_coef=coef)
     out.loss.backward()
-    z = F.relu(plain.pre_acts(x))
+    z = F.relu(torch.addmm(plain.b_enc, x - plain.b_dec, plain.W_enc))  # pre_acts written out
     penalty = (z * plain.W_dec.norm(dim=1)).sum(-1).mean()
     (((plain.decode(z) - x).pow(2).sum(-1).mean()) + coef * penalty).backward()
     torch.testing.assert_close(out.sparsity, penalty.detach(), rtol=1e-6, atol=1e-6)
@@ -139,6 +139,17 @@ def test_relu_l1_gradients_equal_the_penalty_written_out(coef: float) -> None:
     torch.testing.assert_close(pen, (F.relu(low).float() * norms).sum(-1).mean(), rtol=1e-5, atol=1e-5)
     (d_pre,) = torch.autograd.grad(pen, low)
     torch.testing.assert_close(d_pre.float(), ((low > 0) * norms / len(low)).float(), rtol=1e-2, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_firing_counts_and_column_totals_equal_the_plain_reductions(dtype: torch.dtype) -> None:
+    z = F.relu(torch.randn(300, 70) - 0.5).to(dtype)
+    z[:, 3] = 0  # a latent that never fires
+    z[:, 5] = 1e-30 if dtype == torch.float32 else 1e-20  # one that fires with tiny codes
+    expected = (z > 0).sum(0)
+    assert torch.equal(firing_counts(z), expected) and firing_counts(z).dtype == torch.int64
+    assert expected[3] == 0 and expected[5] == 300
+    torch.testing.assert_close(column_totals(z), z.double().sum(0).float(), rtol=1e-5, atol=1e-6)
 
 
 class _RecordDtypes(TorchDispatchMode):

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from assay.sae.kernels import SparseCodes, SparseDecode
+from assay.sae.kernels import SparseCodes, SparseDecode, firing_counts
 
 if TYPE_CHECKING:
     from assay.sae.config import SaeArchConfig
@@ -152,11 +152,9 @@ class Architecture:
                 kept = codes.vals[active]
             else:
                 assert z is not None
-                active = z > 0
-                # bool summed as bytes with an int32 accumulator: faster than a bool tensor's own sum
-                counts = active.view(torch.uint8).sum(0, dtype=torch.int32).long()
+                counts = firing_counts(z)
                 l0 = counts.sum().float() / len(z)
-                kept = z[active].float() if self.tracks_min_kept else None
+                kept = z[z > 0].float() if self.tracks_min_kept else None
             min_kept = kept.min() if kept is not None and kept.numel() else None
         return counts, l0, min_kept
 
