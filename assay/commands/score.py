@@ -100,9 +100,11 @@ class ScoreConfig:
     training step raises the feature (see docs/report.md)."""
     latent: int | None = None
     """The SAE latent to attribute (with --query_sae)."""
-    query_batch_size: int = 4
-    """--finetune: queries differentiated together in one reverse pass (each adds about three
-    copies of the trainable parameters to the memory)."""
+    query_batch_size: int = 1
+    """--finetune: queries differentiated together in one reverse pass. One costs about 2.4
+    training runs at 1.8x training's peak memory; each further query adds about three copies of
+    the trainable parameters to the memory and saves time per query (4: 1.6 runs per query at
+    2.4x the memory; docs/BENCHMARKS.md)."""
     trust_remote_code: bool = False
     """Run code shipped with the index's (or --finetune run's) model. Only this flag turns it on:
     a folder's saved settings never do."""
