@@ -31,13 +31,14 @@ def results_table(rows: dict[str, dict[str, Any]]) -> str:
     table_rows = []
     for name in names:
         e = rows[name]
-        vs = e.get("eval_vs_random")
-        vs_text = f"{vs['mean']:+.4f} ({vs['wins']}/{vs['of']})" if vs and name != "random" else "–"
+        keys = ("eval_vs_random", "pool_vs_random")
+        versus = [_versus(e.get(key)) if name != "random" else "–" for key in keys]
+        beaten = f"{e['draws_beaten']:.0%}" if "draws_beaten" in e else "–"
         seeds = ", ".join(f"{v:.4f}" for v in e.get("eval_loss", []))
         wall = (e.get("wall_s_stats") or {}).get("mean")
         table_rows.append(
-            (e.get("label", name), e.get("examples"), _stat(e, "eval_loss"), vs_text,
-             _stat(e, "pool_loss"), seeds, wall)
+            (e.get("label", name), e.get("examples"), _stat(e, "eval_loss"), versus[0],
+             _stat(e, "pool_loss"), versus[1], beaten, seeds, wall)
         )  # fmt: skip
     headers = [
         "selection",
@@ -45,12 +46,21 @@ def results_table(rows: dict[str, dict[str, Any]]) -> str:
         "eval loss (mean ± std)",
         "eval − random (wins)",
         "pool loss",
+        "pool − random (wins)",
+        "random draws beaten",
         "per-seed eval",
         "wall s / run",
     ]
     return h.table(
-        headers, table_rows, numeric=(1, 2, 3, 4, 6), highlight_row=names.index(best) if best else None
+        headers, table_rows, numeric=(1, 2, 3, 4, 5, 6, 8), highlight_row=names.index(best) if best else None
     )
+
+
+def _versus(vs: dict[str, Any] | None) -> str:
+    """Mean difference to random and seeds won; random is the mean of its draws at each seed."""
+    if not vs or vs.get("mean") is None or vs["mean"] != vs["mean"]:  # absent, or NaN (no pool loss)
+        return "–"
+    return f"{vs['mean']:+.4f} ({vs['wins']}/{vs['of']})"
 
 
 def eval_bars(rows: dict[str, dict[str, Any]]) -> str:

@@ -6,8 +6,9 @@ interrupted one):
     data/                    the bundled preset's pool / query / eval files (--preset)
     full/seed{S}/            fine-tune on the whole pool (seed[0]'s run is the warm-up model)
     index/{bf16,fp32}/       gradient indexes of the pool under the warm-up model
-    select/{strategy}/       selections (random: one per seed)
-    retrain/{row}/seed{S}/   fine-tune the BASE model on each selection (--ordered by full/seed{S})
+    select/{strategy}/       selections (random: --random_draws per seed, random_seed{S}[_draw{D}])
+    retrain/{row}/seed{S}/   fine-tune the BASE model on each selection (--ordered by full/seed{S});
+                             random's further draws in retrain/random/seed{S}_draw{D}/
     results.json, results.md, curves.png
 
 Rows: full data, random, loss, gradcos, TrackStar bf16, TrackStar fp32 (gradcos and loss use
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 import tyro
 
 from assay.attribution.build import BuildConfig, build_index
@@ -58,6 +60,11 @@ class CoresetConfig:
     """Eval examples for the coreset preset (a seeded sample of the held-out split)."""
     seeds: tuple[int, ...] = (0, 1, 2)
     """Training seeds (random selection is redrawn per seed; seed[0]'s full run is the warm-up)."""
+    random_draws: int = 10
+    """Random selections drawn per seed, each retrained with that seed. The random row is their
+    mean, and every strategy is compared with it seed by seed: one draw's eval loss varies between
+    draws about as much as the strategies differ, so a single draw is a noisy baseline. The table
+    also gives the share of all draws each strategy beats at its own seed."""
     fraction: float = 0.1
     """Fraction of the pool each strategy keeps."""
     strategies: tuple[StrategyName, ...] = (
@@ -110,6 +117,8 @@ class CoresetConfig:
             raise AssayError(f"unknown strategy {sorted(unknown)[0]!r}; choose from {', '.join(STRATEGIES)}")
         if not self.seeds:
             raise AssayError("--seeds needs at least one seed")
+        if self.random_draws < 1:
+            raise AssayError(f"--random_draws must be at least 1, got {self.random_draws}")
         if not 0.0 < self.fraction < 1.0:
             raise AssayError(f"--fraction must be in (0, 1), got {self.fraction}")
         if self.query == "eval" and self.preset == "none" and not self.query_dataset:
@@ -133,11 +142,25 @@ class Layout:
     def index(self, precision: str) -> Path:
         return self.root / "index" / precision
 
-    def selection(self, row: str, seed: int) -> Path:
-        return self.root / "select" / (f"{row}_seed{seed}" if row == "random" else row)
+    def selection(self, row: str, seed: int, draw: int = 0) -> Path:
+        """A strategy's selection; random's is drawn per seed, and again per further draw."""
+        if row != "random":
+            return self.root / "select" / row
+        return self.root / "select" / f"random_seed{seed}{_draw_suffix(draw)}"
 
-    def retrain(self, row: str, seed: int) -> Path:
-        return self.root / "retrain" / row / f"seed{seed}"
+    def retrain(self, row: str, seed: int, draw: int = 0) -> Path:
+        return self.root / "retrain" / row / f"seed{seed}{_draw_suffix(draw)}"
+
+
+def _draw_suffix(draw: int) -> str:
+    return f"_draw{draw}" if draw else ""
+
+
+def draw_seed(seed: int, draw: int) -> int:
+    """The seed random selection `draw` of training seed `seed` is drawn with: the seed itself for
+    the first draw (as `assay filter --strategy random --seed S` draws it), then independent
+    seeds derived from both."""
+    return seed if draw == 0 else int(np.random.SeedSequence([seed, draw]).generate_state(1)[0])
 
 
 def resolve_layout(cfg: CoresetConfig, root: Path) -> Layout:
@@ -191,14 +214,14 @@ def index_stage(cfg: CoresetConfig, lay: Layout, precision: str) -> None:
     )
 
 
-def select_stage(cfg: CoresetConfig, lay: Layout, row: str, seed: int) -> None:
+def select_stage(cfg: CoresetConfig, lay: Layout, row: str, seed: int, draw: int = 0) -> None:
     strategy, _, precision = row.partition("_")
     index = None if strategy == "random" else lay.index(precision or "fp32")
     select(
         FilterConfig(
-            out=str(lay.selection(row, seed)),
+            out=str(lay.selection(row, seed, draw)),
             data=lay.data,
-            runtime=replace(cfg.runtime, seed=seed),
+            runtime=replace(cfg.runtime, seed=draw_seed(seed, draw)),
             strategy=strategy,  # type: ignore[arg-type]
             query=lay.query,  # type: ignore[arg-type]
             queries=QueryConfig(query_dataset=lay.query_dataset, query_split=lay.query_split),
@@ -244,12 +267,13 @@ def run_stages(cfg: CoresetConfig, lay: Layout, stages: Stages) -> None:
         full = lay.full(seed)
         stages.run(f"full/seed{seed}", full, finetune, finetune_config(cfg, lay, full, seed, None))
         for row in rows_of(cfg):
-            chosen = lay.selection(row, seed)
-            stages.run(f"select/{chosen.name}", chosen, select_stage, cfg, lay, row, seed)
-            out = lay.retrain(row, seed)
-            stages.run(
-                f"retrain/{row}/seed{seed}", out, finetune, finetune_config(cfg, lay, out, seed, chosen)
-            )
+            for draw in range(cfg.random_draws if row == "random" else 1):
+                chosen = lay.selection(row, seed, draw)
+                stages.run(f"select/{chosen.name}", chosen, select_stage, cfg, lay, row, seed, draw)
+                out = lay.retrain(row, seed, draw)
+                stages.run(
+                    f"retrain/{row}/{out.name}", out, finetune, finetune_config(cfg, lay, out, seed, chosen)
+                )
 
 
 def finish(cfg: CoresetConfig, lay: Layout, root: Path) -> dict[str, Any]:
@@ -259,9 +283,10 @@ def finish(cfg: CoresetConfig, lay: Layout, root: Path) -> dict[str, Any]:
     return results
 
 
-FREE = ("strategies",)
-"""Settings a finished experiment may be rerun with: more --strategies run only their own stages
-(the warm-up runs, indexes and earlier selections are reused) and join the tables."""
+FREE = ("strategies", "random_draws")
+"""Settings a finished experiment may be rerun with: more --strategies or --random_draws run only
+their own stages (the warm-up runs, indexes and earlier selections are reused) and join the
+tables."""
 
 
 def run_experiment(cfg: CoresetConfig) -> dict[str, Any]:

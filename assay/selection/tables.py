@@ -30,43 +30,77 @@ def _stats(values: list[float]) -> dict[str, float]:
     return {"mean": float(arr.mean()), "std": float(arr.std(ddof=1)) if len(arr) > 1 else 0.0}
 
 
+def _summaries(cfg: Any, lay: Any, row: str, seed: int) -> list[dict[str, Any]]:
+    """The finished runs of a row at one seed: the full run, a strategy's retraining, or every
+    random draw's."""
+    if row == "full":
+        return [read_json(lay.full(seed) / "summary.json")]
+    draws = getattr(cfg, "random_draws", 1) if row == "random" else 1
+    return [read_json(lay.retrain(row, seed, d) / "summary.json") for d in range(draws)]
+
+
 def collect_rows(cfg: Any, lay: Any, rows: list[str]) -> dict[str, dict[str, Any]]:
-    """Per row: per-seed pool/eval/train losses and wall times, and their mean ± std."""
+    """Per row: per-seed pool/eval/train losses and wall times, and their mean ± std. The random
+    row's per-seed values are the means over its draws (each draw's in `draws`)."""
     out: dict[str, dict[str, Any]] = {}
     for row in ["full", *rows]:
-        runs = [
-            read_json((lay.full(s) if row == "full" else lay.retrain(row, s)) / "summary.json")
-            for s in cfg.seeds
-        ]
-        pool = [r["train_loss"] if row == "full" else r["pool_loss"] for r in runs]
-        pool = [float("nan") if v is None else v for v in pool]
-        evals = [r["eval_loss"] for r in runs]
+        per_seed = [_summaries(cfg, lay, row, s) for s in cfg.seeds]
+        pools = [[_pool_loss(r, row) for r in runs] for runs in per_seed]
+        evals = [[r["eval_loss"] for r in runs] for runs in per_seed]
+        walls = [float(np.mean([r["wall_s"] for r in runs])) for runs in per_seed]
+        pool, ev = [float(np.mean(v)) for v in pools], [float(np.mean(v)) for v in evals]
         out[row] = {
             "label": LABELS.get(row, row),
             "seeds": list(cfg.seeds),
             "pool_loss": pool,
-            "eval_loss": evals,
-            "train_loss": [r["train_loss"] for r in runs],
-            "wall_s": [r["wall_s"] for r in runs],
-            "examples": runs[0]["examples"],
-            "steps": runs[0]["steps"],
+            "eval_loss": ev,
+            "train_loss": [float(np.mean([r["train_loss"] for r in runs])) for runs in per_seed],
+            "wall_s": walls,
+            "examples": per_seed[0][0]["examples"],
+            "steps": per_seed[0][0]["steps"],
             "pool_loss_stats": _stats(pool),
-            "eval_loss_stats": _stats(evals),
-            "wall_s_stats": _stats([r["wall_s"] for r in runs]),
+            "eval_loss_stats": _stats(ev),
+            "wall_s_stats": _stats(walls),
         }
+        if row == "random":
+            spread = [np.std(v, ddof=1) for v in evals if len(v) > 1]
+            out[row]["draws"] = {"eval_loss": evals, "pool_loss": pools}
+            out[row]["draw_spread"] = float(np.mean(spread)) if spread else None
     if "random" in out:
-        base = np.asarray(out["random"]["eval_loss"])
-        full = np.asarray(out["full"]["eval_loss"])
-        for entry in out.values():
-            diff = np.asarray(entry["eval_loss"]) - base
-            entry["eval_vs_random"] = {
-                "mean": float(diff.mean()),
-                "wins": int((diff < 0).sum()),
-                "of": len(diff),
-                # share of the random-to-full gap this selection closes (1: as good as full data)
-                "gap_closed": float(np.mean(-diff / np.where(base - full == 0, np.nan, base - full))),
-            }
+        _compare_with_random(out)
     return out
+
+
+def _pool_loss(summary: dict[str, Any], row: str) -> float:
+    value = summary["train_loss"] if row == "full" else summary["pool_loss"]
+    return float("nan") if value is None else float(value)
+
+
+def _compare_with_random(out: dict[str, dict[str, Any]]) -> None:
+    """Each row against random, seed by seed (random: the mean of its draws at that seed): the
+    mean difference and the seeds won in eval and pool loss, the share of the random-to-full gap
+    closed, and the share of all random draws the row's retraining beats at the same seed."""
+    random = out["random"]
+    base, pool_base = np.asarray(random["eval_loss"]), np.asarray(random["pool_loss"])
+    full = np.asarray(out["full"]["eval_loss"])
+    for name, entry in out.items():
+        diff = np.asarray(entry["eval_loss"]) - base
+        entry["eval_vs_random"] = {
+            "mean": float(diff.mean()),
+            "wins": int((diff < 0).sum()),
+            "of": len(diff),
+            # share of the random-to-full gap this selection closes (1: as good as full data)
+            "gap_closed": float(np.mean(-diff / np.where(base - full == 0, np.nan, base - full))),
+        }
+        pool_diff = np.asarray(entry["pool_loss"]) - pool_base
+        entry["pool_vs_random"] = {
+            "mean": float(pool_diff.mean()),
+            "wins": int((pool_diff < 0).sum()),
+            "of": len(pool_diff),
+        }
+        if name != "random":
+            beaten = [np.asarray(d) > v for d, v in zip(random["draws"]["eval_loss"], entry["eval_loss"])]
+            entry["draws_beaten"] = float(np.concatenate(beaten).mean())
 
 
 def selection_facts(cfg: Any, lay: Any, rows: list[str], agreement: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -112,20 +146,28 @@ def markdown(results: dict[str, Any]) -> str:
     n = len(results["seeds"])
     lines = [
         f"| selection | examples | pool loss (mean ± std) | eval loss (mean ± std) "
-        f"| eval − random (wins of {n}) | gap to full closed | per-seed eval | wall s / run |",
-        "|---|---:|---:|---:|---:|---:|---|---:|",
+        f"| eval − random (wins of {n}) | pool − random (wins of {n}) | random draws beaten "
+        "| gap to full closed | per-seed eval | wall s / run |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
     for row in rows.values():
         p, e, w = row["pool_loss_stats"], row["eval_loss_stats"], row["wall_s_stats"]
         pool_text = "–" if np.isnan(p["mean"]) else f"{p['mean']:.4f} ± {p['std']:.4f}"
         vs = row.get("eval_vs_random")
-        vs_text = f"{vs['mean']:+.4f} ({vs['wins']}/{vs['of']})" if vs else "–"
         gap = f"{vs['gap_closed']:.0%}" if vs and np.isfinite(vs["gap_closed"]) else "–"
+        beaten = f"{row['draws_beaten']:.0%}" if "draws_beaten" in row else "–"
         seeds = ", ".join(f"{v:.4f}" for v in row["eval_loss"])
         lines.append(
-            f"| {row['label']} | {row['examples']} | {pool_text} "
-            f"| {e['mean']:.4f} ± {e['std']:.4f} | {vs_text} | {gap} | {seeds} | {w['mean']:.1f} |"
+            f"| {row['label']} | {row['examples']} | {pool_text} | {e['mean']:.4f} ± {e['std']:.4f} "
+            f"| {_versus(vs)} | {_versus(row.get('pool_vs_random'))} | {beaten} | {gap} | {seeds} "
+            f"| {w['mean']:.1f} |"
         )
+    if "random" in rows:
+        random = rows["random"]
+        draws = len(random["draws"]["eval_loss"][0])
+        spread = random["draw_spread"]
+        about = f"; one draw's eval loss spreads ±{spread:.4f} (sd) about the seed's mean" if spread else ""
+        lines += ["", f"Random: the mean of {draws} draw(s) per seed, each retrained with that seed{about}."]
     if facts.get("overlap_bf16_fp32"):
         shown = ", ".join(f"{LABELS.get(k, k)} {v:.0%}" for k, v in facts["overlap_bf16_fp32"].items())
         lines += ["", f"Selection overlap, bf16 vs fp32 index: {shown}"]
@@ -146,6 +188,10 @@ def markdown(results: dict[str, Any]) -> str:
         "Wall time per stage (s): " + ", ".join(f"{k} {v:.0f}" for k, v in results["stage_s"].items()),
     ]
     return "\n".join(lines) + "\n"
+
+
+def _versus(vs: dict[str, Any] | None) -> str:
+    return f"{vs['mean']:+.4f} ({vs['wins']}/{vs['of']})" if vs and np.isfinite(vs["mean"]) else "–"
 
 
 def plot_curves(lay: Any, rows: list[str], seed: int, path: Path) -> None:

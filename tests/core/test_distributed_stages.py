@@ -43,7 +43,8 @@ def test_coreset_two_processes_equal_one(tmp_path, tiny_model_dir, many_jsonl):
     from assay.cli import main
 
     args = ["--model", str(tiny_model_dir), "--dataset", str(many_jsonl), "--precision", "fp32"]
-    args += ["--attention", "eager", "--seeds", "0", "--strategies", "random", "trackstar"]
+    args += ["--attention", "eager", "--seeds", "0", "--random_draws", "2"]
+    args += ["--strategies", "random", "trackstar"]
     args += ["--index_precisions", "fp32", "--eval_dataset", str(many_jsonl), "--eval_split", "train"]
     args += [
         "--num_epochs",
@@ -57,7 +58,7 @@ def test_coreset_two_processes_equal_one(tmp_path, tiny_model_dir, many_jsonl):
     ]
     assert main(["coreset", str(tmp_path / "one"), *args]) == 0
     ok(torchrun("-m", "assay", "coreset", str(tmp_path / "two"), *args))
-    for row in ("random_seed0", "trackstar_fp32"):
+    for row in ("random_seed0", "random_seed0_draw1", "trackstar_fp32"):
         assert _selected(tmp_path / "two" / "select" / row) == _selected(tmp_path / "one" / "select" / row)
     r1, r2 = (json.loads((tmp_path / r / "results.json").read_text())["rows"] for r in ("one", "two"))
     assert set(r1) == set(r2) == {"full", "random", "trackstar_fp32"}

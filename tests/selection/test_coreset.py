@@ -20,7 +20,7 @@ import pytest
 import assay.selection.coreset as coreset_mod
 from assay.core.config import DataConfig, ModelConfig, QueryConfig, RuntimeConfig
 from assay.core.errors import AssayError
-from assay.selection.coreset import CoresetConfig, run_experiment
+from assay.selection.coreset import CoresetConfig, draw_seed, run_experiment
 from assay.selection.filter import FilterConfig, read_selection, select
 from assay.training.finetune import finetune
 from assay.training.recipe import TrainRecipe
@@ -49,6 +49,7 @@ def experiment(tmp_path_factory, tiny_model_dir):
         data=DataConfig(dataset=pool, max_length=64),
         runtime=RuntimeConfig(precision="fp32", attention="eager", threads=1),
         seeds=(0,),
+        random_draws=2,
         strategies=("random", "trackstar"),
         index_precisions=("fp32",),
         query="eval",
@@ -76,6 +77,7 @@ def test_trackstar_beats_random_and_the_other_tail_does_not(experiment):
     random_loss = rows["random"]["eval_loss"][0]
     trackstar_loss = rows["trackstar_fp32"]["eval_loss"][0]
     assert trackstar_loss < random_loss - MARGIN, (trackstar_loss, random_loss)
+    assert rows["trackstar_fp32"]["draws_beaten"] == 1.0
     # the control: the bottom of the same ranking, retrained the same way
     exp = Path(cfg.out)
     lowest = select(
@@ -109,8 +111,31 @@ def test_experiment_outputs_and_resume(experiment, capsys):
     assert "TrackStar fp32" in (exp / "results.md").read_text()
     stages = json.loads((exp / "stages.json").read_text())
     assert {"full/seed0", "index/fp32", "retrain/random/seed0", "retrain/trackstar_fp32/seed0"} <= set(stages)
+    assert "retrain/random/seed0_draw1" in stages
     with pytest.raises(AssayError, match="another --fraction"):
         run_experiment(replace(cfg, fraction=0.2))  # a setting the finished runs depend on
+
+
+def test_random_is_the_mean_of_its_draws(experiment):
+    """Each draw is its own random subset, retrained with the seed; the random row and every
+    comparison with it use their mean."""
+    cfg, results, root = experiment
+    exp = Path(cfg.out)
+    first, second = (read_selection(exp / "select" / name) for name in ("random_seed0", "random_seed0_draw1"))
+    assert len(first) == len(second) == 12 and set(first) != set(second)
+    draws = results["rows"]["random"]["draws"]
+    for key in ("eval_loss", "pool_loss"):
+        assert len(draws[key][0]) == 2 and draws[key][0][0] != draws[key][0][1]
+        assert results["rows"]["random"][key][0] == pytest.approx(np.mean(draws[key][0]))
+    trackstar = results["rows"]["trackstar_fp32"]
+    mean_random = np.mean(draws["eval_loss"][0])
+    assert trackstar["eval_vs_random"]["mean"] == pytest.approx(trackstar["eval_loss"][0] - mean_random)
+    assert "mean of 2 draw(s) per seed" in (exp / "results.md").read_text()
+
+
+def test_draw_seeds_are_distinct_and_the_first_is_the_seed():
+    seeds = {draw_seed(s, d) for s in range(3) for d in range(10)}
+    assert len(seeds) == 30 and draw_seed(5, 0) == 5
 
 
 def test_a_finished_experiment_is_extended_with_more_strategies(experiment, monkeypatch):
@@ -124,3 +149,7 @@ def test_a_finished_experiment_is_extended_with_more_strategies(experiment, monk
     assert trained == [str(exp / "retrain" / "typiclust" / "seed0")]
     assert {"random", "trackstar_fp32", "typiclust"} <= set(results["rows"])
     assert "TypiClust" in (exp / "results.md").read_text()
+    trained.clear()  # and more random draws run only the new draw's stages
+    results = run_experiment(replace(cfg, strategies=("random", "trackstar", "typiclust"), random_draws=3))
+    assert trained == [str(exp / "retrain" / "random" / "seed0_draw2")]
+    assert len(results["rows"]["random"]["draws"]["eval_loss"][0]) == 3
