@@ -6,9 +6,10 @@ interrupted one):
     data/                    the bundled preset's pool / query / eval files (--preset)
     full/seed{S}/            fine-tune on the whole pool (seed[0]'s run is the warm-up model)
     index/{bf16,fp32}/       gradient indexes of the pool under the warm-up model
-    select/{strategy}/       selections (random: --random_draws per seed, random_seed{S}[_draw{D}])
+    select/{row}/            selections; a seeded strategy's (random, kcenter, balanced, typiclust)
+                             are drawn per seed and draw: select/{row}_seed{S}[_draw{D}]
     retrain/{row}/seed{S}/   fine-tune the BASE model on each selection (--ordered by full/seed{S});
-                             random's further draws in retrain/random/seed{S}_draw{D}/
+                             further draws in retrain/{row}/seed{S}_draw{D}/
     results.json, results.md, curves.png
 
 Rows: full data, random, loss, gradcos, TrackStar bf16, TrackStar fp32 (gradcos and loss use
@@ -31,7 +32,7 @@ from assay.core.errors import AssayError
 from assay.core.experiment import Stages, finish_experiment, open_experiment
 from assay.lm.presets import prepare_preset
 from assay.selection.filter import FilterConfig, select
-from assay.selection.strategies import STRATEGIES, StrategyName
+from assay.selection.strategies import STRATEGIES, StrategyName, seeded
 from assay.selection.tables import write_report
 from assay.training.finetune import FinetuneConfig, finetune
 from assay.training.recipe import TrainRecipe
@@ -65,6 +66,11 @@ class CoresetConfig:
     mean, and every strategy is compared with it seed by seed: one draw's eval loss varies between
     draws about as much as the strategies differ, so a single draw is a noisy baseline. The table
     also gives the share of all draws each strategy beats at its own seed."""
+    strategy_draws: int = 1
+    """Selections drawn per seed for the other strategies whose selection is itself a draw
+    (kcenter: its first centre; balanced and typiclust: their k-means and, for balanced, the order
+    within clusters), each retrained with that seed; the row is their mean. 1: one selection per
+    seed."""
     fraction: float = 0.1
     """Fraction of the pool each strategy keeps."""
     strategies: tuple[StrategyName, ...] = (
@@ -111,14 +117,21 @@ class CoresetConfig:
     overwrite: bool = False
     """Redo a finished experiment in OUT from scratch."""
 
+    def draws_of(self, row: str) -> int:
+        """Selections drawn (and retrained) per seed for a table row."""
+        if row == "random":
+            return self.random_draws
+        return self.strategy_draws if seeded(row) else 1
+
     def __post_init__(self) -> None:
         unknown = set(self.strategies) - set(STRATEGIES)
         if unknown:
             raise AssayError(f"unknown strategy {sorted(unknown)[0]!r}; choose from {', '.join(STRATEGIES)}")
         if not self.seeds:
             raise AssayError("--seeds needs at least one seed")
-        if self.random_draws < 1:
-            raise AssayError(f"--random_draws must be at least 1, got {self.random_draws}")
+        for name in ("random_draws", "strategy_draws"):
+            if getattr(self, name) < 1:
+                raise AssayError(f"--{name} must be at least 1, got {getattr(self, name)}")
         if not 0.0 < self.fraction < 1.0:
             raise AssayError(f"--fraction must be in (0, 1), got {self.fraction}")
         if self.query == "eval" and self.preset == "none" and not self.query_dataset:
@@ -143,10 +156,10 @@ class Layout:
         return self.root / "index" / precision
 
     def selection(self, row: str, seed: int, draw: int = 0) -> Path:
-        """A strategy's selection; random's is drawn per seed, and again per further draw."""
-        if row != "random":
+        """A strategy's selection; a seeded strategy's is drawn per seed, and again per draw."""
+        if not seeded(row):
             return self.root / "select" / row
-        return self.root / "select" / f"random_seed{seed}{_draw_suffix(draw)}"
+        return self.root / "select" / f"{row}_seed{seed}{_draw_suffix(draw)}"
 
     def retrain(self, row: str, seed: int, draw: int = 0) -> Path:
         return self.root / "retrain" / row / f"seed{seed}{_draw_suffix(draw)}"
@@ -157,9 +170,9 @@ def _draw_suffix(draw: int) -> str:
 
 
 def draw_seed(seed: int, draw: int) -> int:
-    """The seed random selection `draw` of training seed `seed` is drawn with: the seed itself for
-    the first draw (as `assay filter --strategy random --seed S` draws it), then independent
-    seeds derived from both."""
+    """The seed a seeded selection `draw` of training seed `seed` is drawn with: the seed itself
+    for the first draw (as `assay filter --seed S` draws it), then independent seeds derived from
+    both."""
     return seed if draw == 0 else int(np.random.SeedSequence([seed, draw]).generate_state(1)[0])
 
 
@@ -267,7 +280,7 @@ def run_stages(cfg: CoresetConfig, lay: Layout, stages: Stages) -> None:
         full = lay.full(seed)
         stages.run(f"full/seed{seed}", full, finetune, finetune_config(cfg, lay, full, seed, None))
         for row in rows_of(cfg):
-            for draw in range(cfg.random_draws if row == "random" else 1):
+            for draw in range(cfg.draws_of(row)):
                 chosen = lay.selection(row, seed, draw)
                 stages.run(f"select/{chosen.name}", chosen, select_stage, cfg, lay, row, seed, draw)
                 out = lay.retrain(row, seed, draw)
@@ -283,8 +296,8 @@ def finish(cfg: CoresetConfig, lay: Layout, root: Path) -> dict[str, Any]:
     return results
 
 
-FREE = ("strategies", "random_draws")
-"""Settings a finished experiment may be rerun with: more --strategies or --random_draws run only
+FREE = ("strategies", "random_draws", "strategy_draws")
+"""Settings a finished experiment may be rerun with: more --strategies or draws run only
 their own stages (the warm-up runs, indexes and earlier selections are reused) and join the
 tables."""
 

@@ -40,18 +40,36 @@ class Strategy:
     kind: Literal["score", "coverage"]
     needs_index: bool
     summary: str
+    seeded: bool = False
+    """The selection is itself a random draw (another seed chooses other examples), so its worth
+    is an expectation over seeds, as random selection's is."""
 
 
 STRATEGIES: dict[str, Strategy] = {
-    "random": Strategy("score", False, "seeded uniform scores: the baseline every strategy must beat"),
+    "random": Strategy(
+        "score", False, "seeded uniform scores: the baseline every strategy must beat", seeded=True
+    ),
     "loss": Strategy("score", False, "mean token loss under the model (high loss = most to learn)"),
     "gradcos": Strategy("score", True, "raw gradient cosine with the queries (the mean over queries)"),
     "trackstar": Strategy("score", True, "TrackStar: cosine after R^(-1/2) whitening, mean over queries"),
     "facility": Strategy("coverage", True, "greedy facility location (CRAIG) with per-example weights"),
-    "kcenter": Strategy("coverage", True, "greedy k-center: each pick the example farthest from all picks"),
-    "balanced": Strategy("coverage", True, "k-means clusters, each kept in proportion to its size"),
-    "typiclust": Strategy("coverage", True, "TypiClust: a k-means cluster per kept example, its densest"),
+    "kcenter": Strategy(
+        "coverage", True, "greedy k-center: each pick the example farthest from all picks", seeded=True
+    ),
+    "balanced": Strategy(
+        "coverage", True, "k-means clusters, each kept in proportion to its size", seeded=True
+    ),
+    "typiclust": Strategy(
+        "coverage", True, "TypiClust: a k-means cluster per kept example, its densest", seeded=True
+    ),
 }
+
+
+def seeded(row: str) -> bool:
+    """Whether a selection named `strategy` or `strategy_precision` is a random draw."""
+    return STRATEGIES[row.partition("_")[0]].seeded
+
+
 GRADIENT_MODES = {"gradcos": "cosine", "trackstar": "trackstar"}
 FEATURES_FILE = "features.npy"
 

@@ -31,12 +31,10 @@ def _stats(values: list[float]) -> dict[str, float]:
 
 
 def _summaries(cfg: Any, lay: Any, row: str, seed: int) -> list[dict[str, Any]]:
-    """The finished runs of a row at one seed: the full run, a strategy's retraining, or every
-    random draw's."""
+    """The finished runs of a row at one seed: the full run, or each draw's retraining."""
     if row == "full":
         return [read_json(lay.full(seed) / "summary.json")]
-    draws = getattr(cfg, "random_draws", 1) if row == "random" else 1
-    return [read_json(lay.retrain(row, seed, d) / "summary.json") for d in range(draws)]
+    return [read_json(lay.retrain(row, seed, d) / "summary.json") for d in range(cfg.draws_of(row))]
 
 
 def collect_rows(cfg: Any, lay: Any, rows: list[str]) -> dict[str, dict[str, Any]]:
@@ -62,7 +60,7 @@ def collect_rows(cfg: Any, lay: Any, rows: list[str]) -> dict[str, dict[str, Any
             "eval_loss_stats": _stats(ev),
             "wall_s_stats": _stats(walls),
         }
-        if row == "random":
+        if row == "random" or any(len(v) > 1 for v in evals):
             spread = [np.std(v, ddof=1) for v in evals if len(v) > 1]
             out[row]["draws"] = {"eval_loss": evals, "pool_loss": pools}
             out[row]["draw_spread"] = float(np.mean(spread)) if spread else None
@@ -162,12 +160,16 @@ def markdown(results: dict[str, Any]) -> str:
             f"| {_versus(vs)} | {_versus(row.get('pool_vs_random'))} | {beaten} | {gap} | {seeds} "
             f"| {w['mean']:.1f} |"
         )
-    if "random" in rows:
-        random = rows["random"]
-        draws = len(random["draws"]["eval_loss"][0])
-        spread = random["draw_spread"]
+    drawn = [row for row in rows.values() if "draws" in row]
+    if drawn:
+        lines.append("")
+    for row in drawn:
+        draws = len(row["draws"]["eval_loss"][0])
+        spread = row["draw_spread"]
         about = f"; one draw's eval loss spreads ±{spread:.4f} (sd) about the seed's mean" if spread else ""
-        lines += ["", f"Random: the mean of {draws} draw(s) per seed, each retrained with that seed{about}."]
+        lines.append(
+            f"{row['label']}: the mean of {draws} draw(s) per seed, each retrained with that seed{about}."
+        )
     if facts.get("overlap_bf16_fp32"):
         shown = ", ".join(f"{LABELS.get(k, k)} {v:.0%}" for k, v in facts["overlap_bf16_fp32"].items())
         lines += ["", f"Selection overlap, bf16 vs fp32 index: {shown}"]

@@ -20,7 +20,7 @@ import pytest
 import assay.selection.coreset as coreset_mod
 from assay.core.config import DataConfig, ModelConfig, QueryConfig, RuntimeConfig
 from assay.core.errors import AssayError
-from assay.selection.coreset import CoresetConfig, draw_seed, run_experiment
+from assay.selection.coreset import CoresetConfig, Layout, draw_seed, run_experiment
 from assay.selection.filter import FilterConfig, read_selection, select
 from assay.training.finetune import finetune
 from assay.training.recipe import TrainRecipe
@@ -149,7 +149,30 @@ def test_a_finished_experiment_is_extended_with_more_strategies(experiment, monk
     assert trained == [str(exp / "retrain" / "typiclust" / "seed0")]
     assert {"random", "trackstar_fp32", "typiclust"} <= set(results["rows"])
     assert "TypiClust" in (exp / "results.md").read_text()
-    trained.clear()  # and more random draws run only the new draw's stages
-    results = run_experiment(replace(cfg, strategies=("random", "trackstar", "typiclust"), random_draws=3))
-    assert trained == [str(exp / "retrain" / "random" / "seed0_draw2")]
+    trained.clear()  # and more draws run only the new draws' stages
+    more = replace(cfg, strategies=("random", "trackstar", "typiclust"), random_draws=3, strategy_draws=2)
+    results = run_experiment(more)
+    assert trained == [
+        str(exp / "retrain" / name) for name in ("random/seed0_draw2", "typiclust/seed0_draw1")
+    ]
     assert len(results["rows"]["random"]["draws"]["eval_loss"][0]) == 3
+    typiclust = results["rows"]["typiclust"]
+    assert typiclust["eval_loss"][0] == pytest.approx(np.mean(typiclust["draws"]["eval_loss"][0]))
+    first, second = (read_selection(exp / "select" / n) for n in ("typiclust_seed0", "typiclust_seed0_draw1"))
+    assert set(first) != set(second)  # another k-means seed, other clusters
+    assert "TypiClust: the mean of 2 draw(s) per seed" in (exp / "results.md").read_text()
+
+
+def test_seeded_strategies_are_drawn_per_seed_and_the_others_once(tmp_path):
+    """A selection that is itself a random draw gets a folder per seed and draw; a deterministic
+    one is made once and retrained with every seed."""
+    lay = Layout(tmp_path, DataConfig(dataset="pool.jsonl"), "self", None, "train", {})
+    cfg = CoresetConfig(out=str(tmp_path), random_draws=4, strategy_draws=3)
+    for row in ("random", "kcenter", "balanced", "typiclust"):
+        assert lay.selection(row, 2, 1).name == f"{row}_seed2_draw1"
+        assert cfg.draws_of(row) == (4 if row == "random" else 3)
+    for row in ("facility", "trackstar_fp32", "gradcos", "loss"):
+        assert lay.selection(row, 2, 0) == lay.selection(row, 0, 0) == tmp_path / "select" / row
+        assert cfg.draws_of(row) == 1
+    with pytest.raises(AssayError, match="--strategy_draws must be at least 1, got 0"):
+        CoresetConfig(out=str(tmp_path), strategy_draws=0)
