@@ -37,7 +37,7 @@ def results_table(rows: dict[str, dict[str, Any]]) -> str:
         seeds = ", ".join(f"{v:.4f}" for v in e.get("eval_loss", []))
         wall = (e.get("wall_s_stats") or {}).get("mean")
         table_rows.append(
-            (e.get("label", name), e.get("examples"), _stat(e, "eval_loss"), versus[0],
+            (_label(name, e), e.get("examples"), _stat(e, "eval_loss"), versus[0],
              _stat(e, "pool_loss"), versus[1], beaten, seeds, wall)
         )  # fmt: skip
     headers = [
@@ -54,6 +54,13 @@ def results_table(rows: dict[str, dict[str, Any]]) -> str:
     return h.table(
         headers, table_rows, numeric=(1, 2, 3, 4, 5, 6, 8), highlight_row=names.index(best) if best else None
     )
+
+
+def _label(name: str, entry: dict[str, Any]) -> str:
+    """The row's name, and for a row averaged over draws, how many per seed."""
+    draws = (entry.get("draws") or {}).get("eval_loss") or [[]]
+    label = entry.get("label", name)
+    return f"{label} (mean of {len(draws[0])} draws)" if len(draws[0]) > 1 else label
 
 
 def _versus(vs: dict[str, Any] | None) -> str:
