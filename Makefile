@@ -52,8 +52,8 @@ browser:
 	  { if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
 	    $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q chromium; }
 
-# The two bundled data-selection experiments (docs/coreset.md): ~20-40 min each on 2 CPU cores
-# (the coreset one retrains 10 random draws per seed).
+# The two bundled data-selection experiments (docs/coreset.md): ~20-40 min each on 2 quiet CPU cores
+# (the coreset one retrains 10 draws per seed of random, k-center and cluster-balanced).
 # One torch thread each: on a busy or small CPU that is much faster than oversubscribing.
 .PHONY: coreset-demo targeted-demo
 coreset-demo: setup

@@ -66,11 +66,11 @@ class CoresetConfig:
     mean, and every strategy is compared with it seed by seed: one draw's eval loss varies between
     draws about as much as the strategies differ, so a single draw is a noisy baseline. The table
     also gives the share of all draws each strategy beats at its own seed."""
-    strategy_draws: int = 1
+    strategy_draws: int = 10
     """Selections drawn per seed for the other strategies whose selection is itself a draw
     (kcenter: its first centre; balanced and typiclust: their k-means and, for balanced, the order
-    within clusters), each retrained with that seed; the row is their mean. 1: one selection per
-    seed."""
+    within clusters), each retrained with that seed; the row is their mean. One draw of them is as
+    noisy as one random draw, so by default they get as many."""
     fraction: float = 0.1
     """Fraction of the pool each strategy keeps."""
     strategies: tuple[StrategyName, ...] = (

@@ -50,6 +50,7 @@ def experiment(tmp_path_factory, tiny_model_dir):
         runtime=RuntimeConfig(precision="fp32", attention="eager", threads=1),
         seeds=(0,),
         random_draws=2,
+        strategy_draws=1,
         strategies=("random", "trackstar"),
         index_precisions=("fp32",),
         query="eval",
