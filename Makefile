@@ -52,12 +52,14 @@ browser:
 	  { if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
 	    $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q chromium; }
 
-# The two bundled data-selection experiments (docs/coreset.md): ~20-40 min each on 2 quiet CPU cores
-# (the coreset one retrains 10 draws per seed of random, k-center and cluster-balanced).
+# The two bundled data-selection experiments (docs/coreset.md), on 2 quiet CPU cores: coreset ~35 min
+# (20 draws per seed of random and of TypiClust, each retrained), targeted ~15 min.
 # One torch thread each: on a busy or small CPU that is much faster than oversubscribing.
 .PHONY: coreset-demo targeted-demo
 coreset-demo: setup
-	$(VENV)/bin/assay coreset coreset-out --preset coreset --max_length 128 --threads 1
+	$(VENV)/bin/assay coreset coreset-out --preset coreset --max_length 128 --threads 1 \
+	    --strategies random loss gradcos trackstar facility typiclust --random_draws 20 --strategy_draws 20
 
 targeted-demo: setup
-	$(VENV)/bin/assay coreset targeted-out --preset targeted --max_length 128 --threads 1 --no_pool_loss
+	$(VENV)/bin/assay coreset targeted-out --preset targeted --max_length 128 --threads 1 --no_pool_loss \
+	    --strategies random loss gradcos trackstar

@@ -81,6 +81,7 @@ class CoresetConfig:
         "facility",
         "kcenter",
         "balanced",
+        "typiclust",
     )
     """Selection strategies to compare with the full data (see `assay filter --help`). Rerunning a
     finished experiment with more strategies runs only their stages."""
