@@ -1,4 +1,4 @@
-"""Coverage-seeking selection at scale: facility location, k-center and cluster-balanced on a memmap.
+"""Coverage-seeking selection at scale: facility, k-center, cluster-balanced, TypiClust on a memmap.
 
 Writes N x D random clustered fp16 rows (default 100,000 x 3,584, like a projected gradient
 index: 717 MB) to a memmap in a temporary folder, then runs each strategy at k (default 10,000)
@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from machine import header  # noqa: E402
 
-STRATEGIES = ("typical", "facility", "kcenter", "balanced")
+STRATEGIES = ("typical", "facility", "kcenter", "balanced", "typiclust")
 
 
 def write_rows(path: Path, rows: int, dim: int, seed: int = 0) -> np.ndarray:
