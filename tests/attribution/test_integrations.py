@@ -169,3 +169,7 @@ def test_misuse_is_one_line(tmp_path, tiny_tokenizer):
 
 if __name__ == "__main__":  # a rank of test_trainer_under_torchrun_writes_the_global_batch
     train(Path(sys.argv[1]), make_tokenizer(), max_steps=2, save_steps=1, normalizer="adam")
+    # Tear the Trainer's gloo group down before exit: left to the interpreter's shutdown, its
+    # threads can be destroyed while still joinable, and the rank aborts (seen under load).
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
