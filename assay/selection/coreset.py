@@ -12,8 +12,9 @@ interrupted one):
                              further draws in retrain/{row}/seed{S}_draw{D}/
     results.json, results.md, curves.png
 
-Rows: full data, random, loss, gradcos, TrackStar bf16, TrackStar fp32 (gradcos and loss use
-the fp32 index).
+Rows: full data, then one per --strategies entry, TrackStar once per index precision (the other
+gradient strategies select from the fp32 index); random's and the seeded strategies' rows are the
+means of their draws.
 """
 
 from __future__ import annotations

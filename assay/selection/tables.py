@@ -38,8 +38,9 @@ def _summaries(cfg: Any, lay: Any, row: str, seed: int) -> list[dict[str, Any]]:
 
 
 def collect_rows(cfg: Any, lay: Any, rows: list[str]) -> dict[str, dict[str, Any]]:
-    """Per row: per-seed pool/eval/train losses and wall times, and their mean ± std. The random
-    row's per-seed values are the means over its draws (each draw's in `draws`)."""
+    """Per row: per-seed pool/eval/train losses and wall times, and their mean ± std. A row drawn
+    more than once per seed (random, and the seeded strategies) holds the means over its draws
+    (each draw's in `draws`)."""
     out: dict[str, dict[str, Any]] = {}
     for row in ["full", *rows]:
         per_seed = [_summaries(cfg, lay, row, s) for s in cfg.seeds]
