@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from assay.core.results import versus_baseline
 from assay.report import charts
 from assay.report import html as h
 from assay.report.common import missing_note, settings_block, unfinished_note
@@ -32,7 +33,7 @@ def results_table(rows: dict[str, dict[str, Any]]) -> str:
     for name in names:
         e = rows[name]
         keys = ("eval_vs_random", "pool_vs_random")
-        versus = [_versus(e.get(key)) if name != "random" else "–" for key in keys]
+        versus = [versus_baseline(e.get(key)) if name != "random" else "–" for key in keys]
         beaten = f"{e['draws_beaten']:.0%}" if "draws_beaten" in e else "–"
         seeds = ", ".join(f"{v:.4f}" for v in e.get("eval_loss", []))
         wall = (e.get("wall_s_stats") or {}).get("mean")
@@ -61,13 +62,6 @@ def _label(name: str, entry: dict[str, Any]) -> str:
     draws = (entry.get("draws") or {}).get("eval_loss") or [[]]
     label = entry.get("label", name)
     return f"{label} (mean of {len(draws[0])} draws)" if len(draws[0]) > 1 else label
-
-
-def _versus(vs: dict[str, Any] | None) -> str:
-    """Mean difference to random and seeds won; random is the mean of its draws at each seed."""
-    if not vs or vs.get("mean") is None or vs["mean"] != vs["mean"]:  # absent, or NaN (no pool loss)
-        return "–"
-    return f"{vs['mean']:+.4f} ({vs['wins']}/{vs['of']})"
 
 
 def eval_bars(rows: dict[str, dict[str, Any]]) -> str:

@@ -169,6 +169,22 @@ def _latent_block(run: Run, latent: str, card: str | None) -> tuple[str, dict[st
     return body, latent_in_queries(saved)
 
 
+def _score_tiles(run: Run, summary: dict, num_queries: int) -> str:
+    """The run's figures at a glance: queries, rows, mode, precision, speed."""
+    return h.tiles(
+        [
+            ("queries", int(summary.get("num_queries", num_queries))),
+            ("training examples", int(summary.get("num_rows", 0))),
+            ("mode", str(summary.get("mode", run.config.get("mode", "–")))),
+            ("aggregate", str(summary.get("aggregate", run.config.get("aggregate", "none")))),
+            ("precision", str(summary.get("precision", "–"))),
+            ("λ (query mix)", summary.get("mix")),
+            ("rows / s", summary.get("rows_per_s")),
+        ],
+        hints={"λ (query mix)": "R = λ·R_query + (1-λ)·R_train (TrackStar)"},
+    )
+
+
 def score_view(run: Run, opts: ViewOptions) -> h.Section:
     """Queries with their proponents and opponents; a latent query links to its browser card."""
     summary = run.json("summary.json") or {}
@@ -180,18 +196,7 @@ def score_view(run: Run, opts: ViewOptions) -> h.Section:
     queries = {str(q.get("query")): q.get("text", "") for q in run.jsonl("queries.jsonl")}
     texts, losses = train_examples(run)
     index_path = str(summary.get("index") or run.config.get("index") or "?")
-    body += h.tiles(
-        [
-            ("queries", int(summary.get("num_queries", len(queries) or len(records)))),
-            ("training examples", int(summary.get("num_rows", 0))),
-            ("mode", str(summary.get("mode", run.config.get("mode", "–")))),
-            ("aggregate", str(summary.get("aggregate", run.config.get("aggregate", "none")))),
-            ("precision", str(summary.get("precision", "–"))),
-            ("λ (query mix)", summary.get("mix")),
-            ("rows / s", summary.get("rows_per_s")),
-        ],
-        hints={"λ (query mix)": "R = λ·R_query + (1-λ)·R_train (TrackStar)"},
-    )
+    body += _score_tiles(run, summary, len(queries) or len(records))
     if run.file(TEXTS_FILE) is None:
         body += h.note_box(
             f"Training texts and losses are not shown: this run folder has no {TEXTS_FILE} "

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from assay.core.results import versus_baseline
 from assay.core.runs import read_json, write_json
 from assay.selection.filter import overlap, read_selection
 
@@ -158,7 +159,8 @@ def markdown(results: dict[str, Any]) -> str:
         seeds = ", ".join(f"{v:.4f}" for v in row["eval_loss"])
         lines.append(
             f"| {row['label']} | {row['examples']} | {pool_text} | {e['mean']:.4f} ± {e['std']:.4f} "
-            f"| {_versus(vs)} | {_versus(row.get('pool_vs_random'))} | {beaten} | {gap} | {seeds} "
+            f"| {versus_baseline(vs)} | {versus_baseline(row.get('pool_vs_random'))} "
+            f"| {beaten} | {gap} | {seeds} "
             f"| {w['mean']:.1f} |"
         )
     drawn = [row for row in rows.values() if "draws" in row]
@@ -191,10 +193,6 @@ def markdown(results: dict[str, Any]) -> str:
         "Wall time per stage (s): " + ", ".join(f"{k} {v:.0f}" for k, v in results["stage_s"].items()),
     ]
     return "\n".join(lines) + "\n"
-
-
-def _versus(vs: dict[str, Any] | None) -> str:
-    return f"{vs['mean']:+.4f} ({vs['wins']}/{vs['of']})" if vs and np.isfinite(vs["mean"]) else "–"
 
 
 def plot_curves(lay: Any, rows: list[str], seed: int, path: Path) -> None:
