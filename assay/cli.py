@@ -157,7 +157,7 @@ def _folder_of(run_dir: str) -> str:
 def entry() -> int:
     """`assay` as a whole process (the console script, `python -m assay`, torchrun).
 
-    Lets torch's idle CPU threads sleep instead of spinning (`sleep_idle_threads`), then
+    Lets torch's idle CPU threads spin briefly before sleeping (`short_spin`), then
     imports the command and the model libraries up front with their objects frozen out of the
     garbage collector, and freezes everything left at the end, so that neither the run's
     collections nor interpreter shutdown walk them (see `frozen_imports`). `main` itself
@@ -166,9 +166,9 @@ def entry() -> int:
     import gc  # lazy: only the console entry point freezes the collector
 
     from assay.core.memory import frozen_imports  # lazy: entry point only
-    from assay.core.threads import sleep_idle_threads  # lazy: entry point only
+    from assay.core.threads import short_spin  # lazy: entry point only
 
-    sleep_idle_threads()  # before anything imports torch (see assay.core.threads)
+    short_spin()  # before anything imports torch (see assay.core.threads)
     command = _command_to_preload(sys.argv[1:])
     if command is not None:
         with frozen_imports():

@@ -10,8 +10,8 @@ single-threaded busy loops (a stand-in for the user's other work), and prints wa
 Settings (`--policies`): `default` is libgomp's own (idle threads spin 300,000 times, then
 sleep: what a process gets where nothing sets OMP_WAIT_POLICY, and what `assay` ran with before
 it chose a policy), spelled GOMP_SPINCOUNT=300000 so that `assay` keeps it; `passive` sleeps at
-once (OMP_WAIT_POLICY=PASSIVE); `spin10k` spins 10,000 times first; `assay` passes the
-environment as given (assay's own choice).
+once (OMP_WAIT_POLICY=PASSIVE); `spin1k` ... `spin100k` spin that many times first;
+`assay` passes the environment as given (assay's own choice: `assay.core.threads`).
 
     python bench/bench_contention.py --repeats 3 -- assay build /tmp/b --model /tmp/tiny-2m \\
         --dataset tunes.jsonl --overwrite
@@ -37,7 +37,11 @@ from machine import header, machine
 POLICIES = {
     "default": {"GOMP_SPINCOUNT": "300000"},
     "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
+    "spin1k": {"GOMP_SPINCOUNT": "1000"},
+    "spin3k": {"GOMP_SPINCOUNT": "3000"},
     "spin10k": {"GOMP_SPINCOUNT": "10000"},
+    "spin30k": {"GOMP_SPINCOUNT": "30000"},
+    "spin100k": {"GOMP_SPINCOUNT": "100000"},
     "assay": {},
 }
 BUSY_LOOP = "while True: pass"

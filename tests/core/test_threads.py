@@ -1,4 +1,4 @@
-"""Idle OpenMP threads sleep in `assay` processes, unless the user chose a policy."""
+"""Idle OpenMP threads spin briefly in `assay` processes, unless the user chose a policy."""
 
 import os
 import subprocess
@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from assay.core.threads import SPIN_COUNT, WAIT_POLICY, sleep_idle_threads
+from assay.core.threads import SPIN_COUNT, WAIT_POLICY, short_spin
 
 
 @pytest.fixture
@@ -16,17 +16,19 @@ def clean_env(monkeypatch):
     return monkeypatch
 
 
-def test_passive_when_unset(clean_env):
-    sleep_idle_threads()
-    assert os.environ[WAIT_POLICY] == "PASSIVE"
+def test_short_spin_when_unset(clean_env):
+    short_spin()
+    assert os.environ[SPIN_COUNT] == "10000"
+    assert WAIT_POLICY not in os.environ
 
 
 @pytest.mark.parametrize("var, value", [(WAIT_POLICY, "ACTIVE"), (SPIN_COUNT, "300000")])
 def test_user_choice_kept(clean_env, var, value):
     clean_env.setenv(var, value)
-    sleep_idle_threads()
+    short_spin()
     assert os.environ[var] == value
     assert (WAIT_POLICY in os.environ) == (var == WAIT_POLICY)
+    assert (SPIN_COUNT in os.environ) == (var == SPIN_COUNT)
 
 
 def test_entry_point_runs_before_torch_loads():
