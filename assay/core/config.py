@@ -106,9 +106,9 @@ class RuntimeConfig:
     seed: int = 0
     """Random seed for everything the run samples."""
     threads: int = 0
-    """CPU threads for torch (0: torch's default). Idle threads spin briefly, then sleep
-    (GOMP_SPINCOUNT=10000 unless the environment sets it or OMP_WAIT_POLICY), so a run beside other
-    busy processes is not slowed several times over by threads spinning on shared cores."""
+    """CPU threads for torch (0: torch's default). In the `assay` command idle threads spin
+    briefly, then sleep (GOMP_SPINCOUNT=10000 unless the environment sets it or OMP_WAIT_POLICY),
+    so a run beside other busy processes is not slowed several times over by spinning threads."""
     attention: Literal["auto", "sdpa", "eager"] = "auto"
     """Attention kernel; `eager` avoids fused kernels whose result can depend on batch
     composition under bf16."""
