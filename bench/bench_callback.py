@@ -11,9 +11,14 @@ forwards and backwards, the index written before the optimizer step. Each part i
 
     .venv/bin/python bench/bench_callback.py --model smollm2-135m --steps 8 --batch_size 8 --seq_len 256
     .venv/bin/python bench/bench_callback.py --steps 4 --batch_size 2 --seq_len 32   # assay-tiny: a smoke run
+    .venv/bin/python bench/bench_callback.py --model smollm2-135m --steps 10 --batch_size 8 --seq_len 256 \
+        --repeats 1 --normalizers adafactor none --alternate
 
 Runs alternate (without, then with the callback once per `--normalizers` entry) `--repeats` times;
-the texts are random words, every token a target. The normalizer decides the hooks' cost: `adam`
+the texts are random words, every token a target. Runs seconds apart can differ by more than the
+hooks cost (a shared or throttled machine), so `--alternate` adds, per normalizer, a run collecting
+at every other step and sets each collected step against the uncollected one after it.
+The normalizer decides the hooks' cost: `adam`
 divides each example's full [out, in] gradient by sqrt(v) before projecting it, so the hooks form
 every per-example weight gradient (a second weight-gradient GEMM per layer, as bergson's Adam
 normalizer does too); `adafactor` (the default: the optimizer's Adam moments factored into row and
@@ -86,10 +91,11 @@ def collate(rows: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
 
 
 def one_run(
-    opts: argparse.Namespace, tokenizer: Any, normalizer: str | None, root: Path
-) -> tuple[dict[str, float], np.ndarray | None]:
-    """Median seconds per step of each part (steps 2.. of the run: step 1 warms up), and the rows of
-    the last step collected (None without the callback)."""
+    opts: argparse.Namespace, tokenizer: Any, normalizer: str | None, root: Path, collect: range | None = None
+) -> tuple[dict[str, list[float]], np.ndarray | None]:
+    """Seconds of each part at each timed step (steps 2.. of the run: step 1 warms up), and the rows
+    of the last step collected (None without the callback). `collect`: the steps the callback
+    collects at (default: every step after the first)."""
     model = load_model(ModelConfig(model=opts.model), PrecisionPolicy.resolve("fp32", opts.device)).train()
     args = TrainingArguments(
         output_dir=str(root / "trainer"), per_device_train_batch_size=opts.batch_size, max_steps=opts.steps,
@@ -100,7 +106,8 @@ def one_run(
     callbacks: list[Any] = [before]
     if normalizer is not None:
         config = LiveConfig(projection_dim=opts.projection_dim, normalizer=normalizer, overwrite=True)  # type: ignore[arg-type]
-        callbacks.append(GradientCallback(root / "grads", steps=range(1, opts.steps), config=config))
+        collect = collect or range(1, opts.steps)
+        callbacks.append(GradientCallback(root / "grads", steps=collect, config=config))
     callbacks.append(after)
     data = dataset(tokenizer, opts.batch_size * opts.steps, opts.seq_len)
     Trainer(
@@ -111,13 +118,23 @@ def one_run(
     begin, started = before.marks["begin"], after.marks["begin"]
     backward, written = before.marks["pre_optimizer"], after.marks["pre_optimizer"]
     rows = None
-    if normalizer is not None:
-        rows = np.asarray(assay.open_index(root / "grads" / f"step-{opts.steps - 1}").gradients, np.float32)
+    if normalizer is not None and collect is not None:
+        rows = np.asarray(assay.open_index(root / "grads" / f"step-{collect[-1]}").gradients, np.float32)
     return {
-        "copy": statistics.median(started[s] - begin[s] for s in steps),
-        "forward+backward": statistics.median(backward[s] - started[s] for s in steps),
-        "write": statistics.median(written[s] - backward[s] for s in steps),
+        "copy": [started[s] - begin[s] for s in steps],
+        "forward+backward": [backward[s] - started[s] for s in steps],
+        "write": [written[s] - backward[s] for s in steps],
     }, rows
+
+
+def alternating_overhead(opts: argparse.Namespace, tokenizer: Any, normalizer: str, root: Path) -> float:
+    """The hooks' cost measured inside one run: the callback collects at steps 2, 4, ... and each
+    collected step's forward+backward is set against the uncollected step after it (same shapes,
+    same process, seconds apart), so a machine whose speed drifts between runs cancels out;
+    median over the pairs."""
+    parts, _ = one_run(opts, tokenizer, normalizer, root, collect=range(2, opts.steps, 2))
+    times = parts["forward+backward"]  # steps 2, 3, 4, ...: collected at even indices
+    return statistics.median(times[i] / times[i + 1] for i in range(0, len(times) - 1, 2)) - 1
 
 
 def agreement(rows: np.ndarray, exact: np.ndarray) -> dict[str, float]:
@@ -145,6 +162,12 @@ def main() -> None:
         choices=["adam", "adafactor", "none"],
         help="the callback's normalizer in each run with it (module docstring)",
     )
+    parser.add_argument(
+        "--alternate",
+        action="store_true",
+        help="also, per normalizer, one run collecting at every other step: the hooks' cost as collected "
+        "against uncollected steps of that run (immune to the machine's speed drifting between runs)",
+    )
     opts = parser.parse_args()
     if opts.steps < 4:
         parser.error(
@@ -159,10 +182,15 @@ def main() -> None:
         for name, normalizer in variants.items():
             with tempfile.TemporaryDirectory() as tmp:
                 parts, rows[name] = one_run(opts, tokenizer, normalizer, Path(tmp))
-                runs[name].append(parts)
+                runs[name].append({k: statistics.median(v) for k, v in parts.items()})
     result: dict[str, Any] = {"settings": vars(opts), "machine": machine()}
     for name, parts in runs.items():
         result[name] = {k: statistics.median(p[k] for p in parts) for k in parts[0]}
+    if opts.alternate:
+        for normalizer in opts.normalizers:
+            with tempfile.TemporaryDirectory() as tmp:
+                overhead = alternating_overhead(opts, tokenizer, normalizer, Path(tmp))
+            result[f"with-{normalizer}:hook_overhead_alternating"] = overhead
     base = result["without"]
     for name in list(variants)[1:]:
         result[f"{name}:hook_overhead"] = result[name]["forward+backward"] / base["forward+backward"] - 1
