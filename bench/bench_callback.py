@@ -168,6 +168,7 @@ def main() -> None:
         help="also, per normalizer, one run collecting at every other step: the hooks' cost as collected "
         "against uncollected steps of that run (immune to the machine's speed drifting between runs)",
     )
+    parser.add_argument("--out", type=Path, help="also write the result here (JSON)")
     opts = parser.parse_args()
     if opts.steps < 4:
         parser.error(
@@ -183,7 +184,8 @@ def main() -> None:
             with tempfile.TemporaryDirectory() as tmp:
                 parts, rows[name] = one_run(opts, tokenizer, normalizer, Path(tmp))
                 runs[name].append({k: statistics.median(v) for k, v in parts.items()})
-    result: dict[str, Any] = {"settings": vars(opts), "machine": machine()}
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(opts).items()}
+    result: dict[str, Any] = {"settings": settings, "machine": machine()}
     for name, parts in runs.items():
         result[name] = {k: statistics.median(p[k] for p in parts) for k in parts[0]}
     if opts.alternate:
@@ -198,7 +200,10 @@ def main() -> None:
         exact, own = rows.get("with-adam"), rows[name]
         if exact is not None and own is not None and name != "with-adam":
             result[f"{name}:cosine_with_adam_rows"] = agreement(own, exact)
-    print(json.dumps(result, indent=2))
+    text = json.dumps(result, indent=2)
+    print(text)
+    if opts.out:
+        opts.out.write_text(text + "\n")
 
 
 if __name__ == "__main__":

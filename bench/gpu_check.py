@@ -11,6 +11,8 @@ bundled ABC tunes:
   index        `assay build` of all tunes (bf16, fp16 rows, TrackStar statistics) for scoring
   score-*      `assay score --device cuda` of 16 held-out tunes, trackstar and inner
   sae, sae-compiled  `assay sae train --device cuda` (TopK, bf16) without and with --compile
+  callback     bench/bench_callback.py: a Trainer run with and without assay's GradientCallback
+               (p = 16, the default normalizer), also alternating collected and uncollected steps
 Peers (bergson, SAELens) are not installed on the device image and it has no network: compare
 them on the CPU (bench_build.py --peer_python, bench_sae_peers.py) until their wheels are carried.
 
@@ -49,6 +51,9 @@ class Sizes:
     queries: int = 16
     sae_tokens: int = 2_000_000
     sae_hookpoint: str = "model.layers.15"
+    callback_steps: int = 10
+    callback_batch: tuple[int, int] = (8, 512)
+    """Examples per step, tokens per example."""
     floors: list[str] = field(
         default_factory=lambda: ["eager", "sdpa", "sdpa-causal", "sdpa-packed", "flash-varlen"]
     )
@@ -64,6 +69,8 @@ SMOKE = Sizes(
     queries=2,
     sae_tokens=16_384,
     sae_hookpoint="model.layers.2",
+    callback_steps=4,
+    callback_batch=(2, 32),
     floors=["sdpa", "sdpa-causal"],
 )
 
@@ -158,6 +165,11 @@ def steps(sizes: Sizes, device: str, out: Path, work: Path) -> list[tuple[str, l
         cmd += ["--training_tokens", str(sizes.sae_tokens), "--precision", "bf16", "--device", device]
         cmd += ["--browser_latents", "0", "--overwrite", "--compile" if compiled else "--no-compile"]
         todo.append((name, cmd, 150))
+    batch, seq_len = sizes.callback_batch
+    cmd = [py, str(BENCH / "bench_callback.py"), "--model", str(smol), "--device", device]
+    cmd += ["--steps", str(sizes.callback_steps), "--batch_size", str(batch), "--seq_len", str(seq_len)]
+    cmd += ["--normalizers", "adafactor", "--alternate", "--out", str(out / "callback.json")]
+    todo.append(("callback", cmd, 150))
     if sizes.big_shape:  # last: the most expensive, and the first to go when time runs short
         todo.append(
             (
