@@ -144,7 +144,7 @@ def agreement(rows: np.ndarray, exact: np.ndarray) -> dict[str, float]:
     return {"min": float(cos.min()), "median": float(np.median(cos))}
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--model", default="assay-tiny", help="a model name or folder (default: the bundled one)"
@@ -169,9 +169,14 @@ def main() -> None:
         "against uncollected steps of that run (immune to the machine's speed drifting between runs)",
     )
     parser.add_argument("--out", type=Path, help="also write the result here (JSON)")
-    opts = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = parser()
+    opts = args.parse_args()
     if opts.steps < 4:
-        parser.error(
+        args.error(
             "--steps must be at least 4 (a first step without optimizer state, a warm-up, then timed steps)"
         )
     tokenizer = load_tokenizer(ModelConfig(model=opts.model))

@@ -15,7 +15,7 @@ from assay.core.config import ModelConfig
 from assay.lm.data import collate
 from assay.lm.losses import example_losses, token_losses
 from assay.lm.models import load_model
-from bench import bench_build, floors, gpu_check, machine, random_model
+from bench import bench_build, bench_callback, floors, gpu_check, machine, random_model
 from tests.helpers import FP32, random_examples, tiny_llama
 
 
@@ -33,6 +33,9 @@ def test_every_step_of_the_gpu_check_parses(tmp_path, sizes):
         elif script.endswith("bench_build.py"):
             args = bench_build.parser().parse_args(cmd[2:])
             assert args.device == "cuda" and set(args.floors) <= set(floors.FLOORS)
+        elif script.endswith("bench_callback.py"):
+            args = bench_callback.parser().parse_args(cmd[2:])
+            assert args.device == "cuda" and args.steps >= 4, name
         else:
             assert script.endswith("random_model.py")
             random_model.parser().parse_args(cmd[2:])
