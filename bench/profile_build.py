@@ -107,16 +107,29 @@ def summarize(prof: Any, wall_s: float) -> dict[str, Any]:
     }
 
 
-def profiled(run: Callable[[], Any]) -> dict[str, Any]:
+def by_shape(prof: Any, n: int) -> list[dict[str, Any]]:
+    """The `n` operators with the most self time, each (name, input shapes) apart."""
+    events = sorted(prof.key_averages(group_by_input_shape=True), key=lambda e: -e.self_cpu_time_total)
+    events = [e for e in events if e.key not in HOOK_SPANS and e.key != "pass"]
+    return [
+        {"op": e.key, "shapes": str(e.input_shapes), "self_s": e.self_cpu_time_total / 1e6, "count": e.count}
+        for e in events[:n]
+    ]
+
+
+def profiled(run: Callable[[], Any], shapes: int = 0) -> dict[str, Any]:
     import time
 
     run()  # warm-up: every shape once
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=shapes > 0) as prof:
         t = time.perf_counter()
         with record_function("pass"):
             run()
         wall = time.perf_counter() - t
-    return summarize(prof, wall)
+    result = summarize(prof, wall)
+    if shapes:
+        result["top_ops_by_shape"] = by_shape(prof, shapes)
+    return result
 
 
 def print_table(results: dict[str, dict[str, Any]]) -> None:
@@ -150,6 +163,9 @@ def main() -> None:
     ap.add_argument("--token_batch_size", type=int, default=2048)
     ap.add_argument("--p", type=int, default=16)
     ap.add_argument("--floors", nargs="+", default=["sdpa", "sdpa-causal"], choices=list(FLOORS))
+    ap.add_argument(
+        "--shapes", type=int, default=0, help="also list the loop's N costliest operators by input shape"
+    )
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     return_freed_memory()  # as the `assay` command does
@@ -174,8 +190,11 @@ def main() -> None:
         collected, tokenizer, policy, linear_modules(collected), Projector(args.p), None, pad
     )
     annotate_collector()
-    results["assay build loop"] = profiled(lambda: collect_pass(setup, examples, positions))
+    loop = profiled(lambda: collect_pass(setup, examples, positions), args.shapes)
+    results["assay build loop"] = loop
     print_table(results)
+    for op in loop.get("top_ops_by_shape", []):
+        print(f"{op['op']:<24} {op['count']:>6} {op['self_s'] * 1e3:>9.1f} ms  {op['shapes'][:100]}")
     if args.out:
         record = {"machine": info, "args": vars(args), "results": results}
         Path(args.out).write_text(json.dumps(record, indent=2) + "\n")

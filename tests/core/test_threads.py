@@ -11,8 +11,11 @@ from assay.core.threads import SPIN_COUNT, WAIT_POLICY, short_spin
 
 @pytest.fixture
 def clean_env(monkeypatch):
-    monkeypatch.delenv(WAIT_POLICY, raising=False)
-    monkeypatch.delenv(SPIN_COUNT, raising=False)
+    """Neither variable set, and whatever `short_spin` sets undone after the test (monkeypatch
+    restores only what it touched, and deleting an absent variable records nothing)."""
+    for var in (WAIT_POLICY, SPIN_COUNT):
+        monkeypatch.setenv(var, "")
+        monkeypatch.delenv(var)
     return monkeypatch
 
 
