@@ -30,7 +30,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
@@ -113,6 +113,8 @@ class LoopOptions:
     device: str = "cpu"
     masked_collector: bool = False
     """Also time the collector given the padding mask (what it ran before assay.lm.padding)."""
+    padded_collector: bool = False
+    """Also time the collector on right-padded batches (what it ran before assay.lm.packing)."""
     statistic: str = "median"
     """median, or min (on a loaded machine the least disturbed round)."""
 
@@ -146,8 +148,10 @@ def loop_benchmark(model_name: str, data: Path, opt: LoopOptions) -> dict:
             rows[key] = collect_pass(s, examples, positions_list)
 
     passes["ours"] = partial(collect, "ours", setup)
-    if opt.masked_collector:
-        passes["masked"] = partial(collect, "masked", setup, True)
+    if opt.masked_collector:  # the mask only exists in padded batches
+        passes["masked"] = partial(collect, "masked", replace(setup, packed=False), True)
+    if opt.padded_collector:
+        passes["padded"] = partial(collect, "padded", replace(setup, packed=False))
     bf16_inputs = policy.compute_dtype == torch.bfloat16  # the only inputs the default projects as they are
     if opt.fp32_projection and bf16_inputs:
         passes["fp32_projection"] = partial(collect, "fp32_projection", Fp32ProjectionSetup(**vars(setup)))
@@ -159,11 +163,12 @@ def loop_benchmark(model_name: str, data: Path, opt: LoopOptions) -> dict:
     if "fp32_projection" in times:
         extra["fp32_projection_tok_s"] = tok_s["fp32_projection"]
         extra["min_cosine_to_fp32_projection"] = float(cosines(rows["ours"], rows["fp32_projection"]).min())
-    if "masked" in times:
-        extra["masked_collector_tok_s"] = tok_s["masked"]
-        extra["masked_max_rel_diff"] = float(
-            np.abs(rows["masked"] - rows["ours"]).max() / max(np.abs(rows["ours"]).max(), 1e-30)
-        )
+    for variant in ("masked", "padded"):
+        if variant in times:
+            extra[f"{variant}_collector_tok_s"] = tok_s[variant]
+            extra[f"{variant}_max_rel_diff"] = float(
+                np.abs(rows[variant] - rows["ours"]).max() / max(np.abs(rows["ours"]).max(), 1e-30)
+            )
     return {
         **extra,
         "precision": opt.precision,
@@ -204,6 +209,11 @@ def summary_line(loop: dict) -> str:
         f"assay build loop {loop['ours_tok_s']:,.0f} tok/s "
         f"= {loop['ours_over_floor_time']:.2f}x the floor's time; "
         f"padded/real tokens {loop['padded_tokens'] / loop['tokens']:.3f}"
+        + (
+            f"; on padded batches {loop['padded_collector_tok_s']:,.0f} tok/s"
+            if "padded_collector_tok_s" in loop
+            else ""
+        )
     )
 
 
@@ -309,6 +319,11 @@ def parser() -> argparse.ArgumentParser:
         help="also time the collector given the padding mask (as before assay.lm.padding)",
     )
     ap.add_argument(
+        "--padded_collector",
+        action="store_true",
+        help="also time the collector on right-padded batches (as before assay.lm.packing)",
+    )
+    ap.add_argument(
         "--statistic",
         choices=["median", "min"],
         default="median",
@@ -341,6 +356,7 @@ def main() -> None:
                     floors=tuple(args.floors),
                     device=args.device,
                     masked_collector=args.masked_collector,
+                    padded_collector=args.padded_collector,
                     statistic=args.statistic,
                 )
                 loop = loop_benchmark(args.model, data, opt)

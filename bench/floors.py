@@ -10,6 +10,8 @@ Variants (`FLOORS`), each a training step with parameter gradients over the same
                 are the masked ones (SDPA's `is_causal` kernel; what bergson does)
   sdpa-packed   each batch's examples concatenated into one row with restarting position_ids
                 (padding-free); transformers turns that into a block-diagonal causal mask
+  sdpa-segments the same packed row, SDPA's causal kernel run on each example's slice of it
+                (`assay.lm.packing`, what `assay build` runs on the models it packs)
   flash-varlen  the same packed row through `attn_implementation="flash_attention_2"` (CUDA and
                 the flash-attn package only: its variable-length kernel attends within each example)
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +31,7 @@ import torch
 
 from assay.core.config import ModelConfig
 from assay.core.precision import PrecisionPolicy
+from assay.lm import packing
 from assay.lm.data import Examples, collate
 from assay.lm.losses import token_losses
 from assay.lm.models import load_model
@@ -41,7 +45,8 @@ class Floor:
     attention: str
     """transformers' attn_implementation."""
     layout: str
-    """masked: right-padded with the mask; causal: right-padded, no mask; packed: one row per batch."""
+    """masked: right-padded with the mask; causal: right-padded, no mask; packed: one row per batch;
+    segments: one row per batch, attention run per example."""
 
 
 FLOORS = {
@@ -51,6 +56,7 @@ FLOORS = {
         Floor("sdpa", "sdpa", "masked"),
         Floor("sdpa-causal", "sdpa", "causal"),
         Floor("sdpa-packed", "sdpa", "packed"),
+        Floor("sdpa-segments", "sdpa", "segments"),
         Floor("flash-varlen", "flash_attention_2", "packed"),
     )
 }
@@ -95,6 +101,9 @@ def floor_batches(
         if floor.layout == "packed":
             out.append(packed(examples, positions, device))
             continue
+        if floor.layout == "segments":
+            out.append(packing.pack(examples, positions, device))
+            continue
         b = collate(examples, positions, pad_id, device)
         if floor.layout == "causal":
             b = {"input_ids": b["input_ids"], "labels": b["labels"]}
@@ -105,8 +114,11 @@ def floor_batches(
 def floor_pass(model: Any, batches: list[dict[str, Any]], policy: PrecisionPolicy) -> None:
     """A training step without the optimizer: loss, backward into every parameter's .grad."""
     for batch in batches:
-        inputs = {k: v for k, v in batch.items() if k != "labels"}
-        with policy.autocast():
+        segments = packing.is_packed(batch)
+        inputs = (
+            packing.forward_inputs(batch) if segments else {k: v for k, v in batch.items() if k != "labels"}
+        )
+        with policy.autocast(), packing.packed_attention(model) if segments else nullcontext():
             logits = model(**inputs).logits
         loss = token_losses(logits, batch["labels"]).sum()
         loss.backward()

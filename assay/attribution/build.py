@@ -60,6 +60,7 @@ from assay.lm.models import (
     model_fingerprint,
     setup_runtime,
 )
+from assay.lm.packing import pack, packable
 
 PROGRESS_FILE = "progress.json"
 FLOAT16_MAX = 65504.0
@@ -160,6 +161,9 @@ class GradientSetup:
     pad_id: int
     fingerprint: str | None = None
     """The model's fingerprint when it was checked against an index (saves hashing it again)."""
+    packed: bool = True
+    """Run the language-model loss on packed, padding-free batches where the model allows
+    (`assay.lm.packing`); False keeps right-padded batches (the same rows up to rounding)."""
 
     def collector(self) -> GradientCollector:
         return GradientCollector(self.model, self.modules, self.projector, self.policy, self.normalizer)
@@ -171,11 +175,18 @@ def iter_gradients(
     batches: list[np.ndarray],
     objective: Objective | None = None,
 ) -> Iterator[tuple[np.ndarray, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]:
-    """(positions, [B, D] fp32 gradients, [B] fp32 objective values, batch) per token batch."""
+    """(positions, [B, D] fp32 gradients, [B] fp32 objective values, batch) per token batch.
+
+    The language-model loss runs on packed batches where the model allows (`assay.lm.packing`):
+    the same gradients without computing the padding."""
+    packed = setup.packed and objective is None and packable(setup.model)
     objective = objective or example_losses
     with setup.collector() as col:
         for positions in batches:
-            batch = collate(examples, positions, setup.pad_id, setup.policy.device)
+            if packed:
+                batch = pack(examples, positions, setup.policy.device)
+            else:
+                batch = collate(examples, positions, setup.pad_id, setup.policy.device)
             grads, values = col.gradients(batch, objective)
             yield positions, grads, values, batch
 

@@ -38,6 +38,7 @@ from assay.core.errors import AssayError
 from assay.core.precision import STATS_DTYPE, PrecisionPolicy, check_finite, full_precision
 from assay.lm.hooks import is_conv1d, is_linear, match_modules
 from assay.lm.lean import grouped_query_attention, recompute_elementwise
+from assay.lm.packing import SEGMENTS, Repadding
 
 Objective = Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]
 """(model, batch) -> [B] per-example scalars whose gradients are collected."""
@@ -120,6 +121,7 @@ class GradientCollector:
         self._mats: dict[tuple[str, str], torch.Tensor | None] = {}
         self._saved: dict[str, list[torch.Tensor | None]] = {}
         self._mask: torch.Tensor | None = None
+        self._repad: Repadding | None = None  # a packed batch's way back to [B, T]
         self._blocks: dict[str, torch.Tensor] = {}  # module -> [B, block size] fp32
         self._pending: tuple[torch.Tensor, list[tuple[ModuleSlot, int]]] | None = None
         self._group_mats: dict[tuple[str, ...], torch.Tensor] = {}
@@ -255,6 +257,8 @@ class GradientCollector:
             self._saved[slot.name][call] = None
             g = self._masked(self._side(slot, "out", grad))  # [B, T, p_out] fp32
             assert a is not None
+            if self._repad is not None:  # one packed row -> [B, T, p], zeros after each example
+                a, g = self._repad(a), self._repad(g)
             if self._uses_full(slot.name):
                 block = self._normalized_full(slot, g, a)
             elif slot.conv1d and self.projector.dim == 0:
@@ -295,7 +299,9 @@ class GradientCollector:
     def _attempt(
         self, batch: dict[str, torch.Tensor], objective: Objective, scale: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        self._mask = batch.get("attention_mask")
+        packed = SEGMENTS in batch
+        self._repad = Repadding.of(batch[SEGMENTS], self._device) if packed else None
+        self._mask = None if packed else batch.get("attention_mask")
         self._saved, self._blocks, self._pending = {}, {}, None
         try:
             with torch.enable_grad(), self.policy.autocast():
@@ -308,7 +314,7 @@ class GradientCollector:
             grads = self._assemble(values.shape[0])
             grads = grads / scale if scale != 1.0 else grads
         finally:
-            self._saved, self._blocks, self._pending, self._mask = {}, {}, None, None
+            self._saved, self._blocks, self._pending, self._mask, self._repad = {}, {}, None, None, None
         return grads, values.detach()
 
     def _assemble(self, batch_size: int) -> torch.Tensor:

@@ -145,8 +145,13 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         return grad_hidden, None, None, None, None, None
 
 
-def chunked_head_losses(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor) -> torch.Tensor:
-    """[B] summed next-token loss of each example from the head's input hidden [B, T, H]."""
+def chunked_head_losses(
+    hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor, examples: torch.Tensor | None = None
+) -> torch.Tensor:
+    """[B] summed next-token loss of each example from the head's input hidden [B, T, H].
+
+    `examples` [B, T]: the example each position belongs to, when a row holds several (a packed
+    batch, `assay.lm.packing`); by default row b is example b."""
     targets = labels[:, 1:]  # position t predicts token t + 1
     keep = targets != -100  # [B, T-1]
     rows = hidden[:, :-1][keep]  # [N, H]: only positions with a target
@@ -154,5 +159,7 @@ def chunked_head_losses(hidden: torch.Tensor, head: nn.Linear, labels: torch.Ten
     losses = _ChunkedHeadLoss.apply(
         rows, head.weight, head.bias, targets[keep], _compute_dtype(hidden), need_grad
     )
-    example = torch.arange(labels.shape[0], device=labels.device)[:, None].expand_as(keep)[keep]
-    return losses.new_zeros(labels.shape[0]).index_add(0, example, losses)
+    if examples is None:
+        examples = torch.arange(labels.shape[0], device=labels.device)[:, None].expand_as(labels)
+    example = examples[:, :-1][keep]
+    return losses.new_zeros(int(examples.max()) + 1).index_add(0, example, losses)

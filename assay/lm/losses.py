@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -10,6 +12,8 @@ from assay.core.precision import PrecisionPolicy, full_precision
 from assay.core.progress import Progress
 from assay.lm.data import Examples, collate, token_batches
 from assay.lm.head_loss import chunked_head_losses, fusable_head, head_bypassed
+from assay.lm.packing import SEGMENTS, is_packed, packed_attention, segment_ids
+from assay.lm.packing import forward_inputs as packed_inputs
 from assay.lm.padding import forward_inputs
 
 
@@ -26,18 +30,29 @@ def example_losses(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> to
 
     The head and its loss run chunk-wise where that is exact (see `assay.lm.head_loss`), so
     the [tokens, vocabulary] logits are never held at once; the padding mask is left out where
-    that is exact (see `assay.lm.padding`).
+    that is exact (see `assay.lm.padding`). A packed batch (`assay.lm.packing`) is one row of
+    several examples: its token losses are summed per example.
     """
-    inputs = forward_inputs(model, batch["input_ids"], batch.get("attention_mask"))
+    packed = is_packed(batch)
+    inputs = (
+        packed_inputs(batch)
+        if packed
+        else forward_inputs(model, batch["input_ids"], batch.get("attention_mask"))
+    )
+    examples = segment_ids(batch[SEGMENTS], batch["labels"].device)[None] if packed else None
     head = fusable_head(model)
-    if head is not None:
-        with head_bypassed(model, head) as captured:
-            model(**inputs)
-        assert captured.hidden is not None
-        return chunked_head_losses(captured.hidden, head, batch["labels"])
-    logits = model(**inputs).logits
+    with packed_attention(model) if packed else nullcontext():
+        if head is not None:
+            with head_bypassed(model, head) as captured:
+                model(**inputs)
+            assert captured.hidden is not None
+            return chunked_head_losses(captured.hidden, head, batch["labels"], examples)
+        logits = model(**inputs).logits
     with full_precision(logits.device):
-        return token_losses(logits, batch["labels"]).sum(dim=1)
+        losses = token_losses(logits, batch["labels"])
+        if examples is None:
+            return losses.sum(dim=1)
+        return losses.new_zeros(len(batch[SEGMENTS])).index_add(0, examples[0], losses[0])
 
 
 @torch.no_grad()
