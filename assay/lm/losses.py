@@ -12,7 +12,7 @@ from assay.core.precision import PrecisionPolicy, full_precision
 from assay.core.progress import Progress
 from assay.lm.data import Examples, collate, token_batches
 from assay.lm.head_loss import chunked_head_losses, fusable_head, head_bypassed
-from assay.lm.packing import SEGMENTS, is_packed, packed_attention, segment_ids
+from assay.lm.packing import SEGMENTS, is_packed, packed_attention, token_examples
 from assay.lm.packing import forward_inputs as packed_inputs
 from assay.lm.padding import forward_inputs
 
@@ -39,7 +39,7 @@ def example_losses(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> to
         if packed
         else forward_inputs(model, batch["input_ids"], batch.get("attention_mask"))
     )
-    examples = segment_ids(batch[SEGMENTS], batch["labels"].device)[None] if packed else None
+    examples = token_examples(batch) if packed else None
     head = fusable_head(model)
     with packed_attention(model) if packed else nullcontext():
         if head is not None:

@@ -50,17 +50,23 @@ def both_layouts(examples, positions=None):
 def test_pack_layout():
     examples = random_examples([3, 4], loss_start=[1, 2])
     batch = packing.pack(examples, np.array([1, 0]))
-    assert batch["input_ids"].shape == (1, 7)
-    assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 2]]
+    row = packing.ROW_MULTIPLE  # 7 example tokens, then filler
+    assert batch["input_ids"].shape == (1, row)
+    assert batch["position_ids"][0, :7].tolist() == [0, 1, 2, 3, 0, 1, 2]
+    assert batch["position_ids"][0, 7:].tolist() == list(range(row - 7))
+    assert batch["attention_mask"].sum() == 7 and batch["attention_mask"][0, :7].all()
     assert batch["segment_lengths"].tolist() == [4, 3]
     labels = batch["labels"][0].tolist()
     assert labels[:2] == [-100, -100] and labels[4] == -100  # before loss_start; each first token
-    assert (
-        labels[2:4] == examples.tokens_of(1)[2:].tolist() and labels[5:] == examples.tokens_of(0)[1:].tolist()
-    )
+    assert labels[2:4] == examples.tokens_of(1)[2:].tolist()
+    assert labels[5:7] == examples.tokens_of(0)[1:].tolist() and set(labels[7:]) == {-100}
+    assert packing.token_examples(batch)[0, :7].tolist() == [0, 0, 0, 0, 1, 1, 1]
     repad = packing.Repadding.of(batch["segment_lengths"])
-    x = torch.arange(7.0)[None, :, None]
+    x = torch.arange(float(row))[None, :, None]
     assert repad(x)[:, :4, 0].tolist() == [[0, 1, 2, 3], [4, 5, 6, 0]] and not repad(x)[:, 4:].any()
+    heads = repad.heads(x[:, None].expand(1, 2, row, 1))  # [B, heads, width, 1]
+    back = repad.unpad_heads(heads, row)
+    assert back[:7, 0, 0].tolist() == list(range(7)) and not back[7:].any()
 
 
 def test_only_full_attention_models_of_known_types_pack():
@@ -115,3 +121,30 @@ def test_packed_rows_equal_padded_rows(precision, tol):
     torch.testing.assert_close(losses, ref_losses, rtol=tol, atol=tol)
     for i in range(len(LENGTHS)):
         assert rel_err(got[i], ref[i]) <= tol, i
+
+
+def test_the_collection_loop_packs_only_the_language_model_loss_of_packable_models():
+    """`iter_gradients` packs Llama batches for the default loss and yields the padded batch's
+    rows; a custom objective, `packed=False` and a GPT-2 keep right-padded batches."""
+    from dataclasses import replace
+
+    from assay.attribution.build import GradientSetup, iter_gradients
+
+    examples = random_examples(LENGTHS, seed=7, loss_start=LOSS_START)
+    batches = [np.array([0, 2, 4]), np.array([1, 3])]
+
+    def run(setup, objective=None):
+        out = list(iter_gradients(setup, examples, batches, objective))
+        return [packing.is_packed(b) for *_, b in out], torch.cat([g for _, g, _, _ in out])
+
+    def setup_of(model):
+        return GradientSetup(model, None, FP32, linear_modules(model), Projector(8, seed=3), None, 0)
+
+    llama = setup_of(tiny_llama(7))
+    layouts, packed_rows = run(llama)
+    assert layouts == [True, True]
+    layouts, padded_rows = run(replace(llama, packed=False))
+    assert layouts == [False, False]
+    torch.testing.assert_close(packed_rows, padded_rows, rtol=1e-5, atol=1e-6)
+    assert run(llama, example_losses)[0] == [False, False]  # an objective reads [B, T] batches
+    assert run(setup_of(tiny_gpt2(7)))[0] == [False, False]
