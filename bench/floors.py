@@ -111,17 +111,19 @@ def floor_batches(
     return out
 
 
+def floor_loss(model: Any, batch: dict[str, Any], policy: PrecisionPolicy) -> torch.Tensor:
+    """The batch's summed next-token loss through the plain forward, in the floor's layout."""
+    segments = packing.is_packed(batch)
+    inputs = packing.forward_inputs(batch) if segments else {k: v for k, v in batch.items() if k != "labels"}
+    with policy.autocast(), packing.packed_attention(model) if segments else nullcontext():
+        logits = model(**inputs).logits
+    return token_losses(logits, batch["labels"]).sum()
+
+
 def floor_pass(model: Any, batches: list[dict[str, Any]], policy: PrecisionPolicy) -> None:
     """A training step without the optimizer: loss, backward into every parameter's .grad."""
     for batch in batches:
-        segments = packing.is_packed(batch)
-        inputs = (
-            packing.forward_inputs(batch) if segments else {k: v for k, v in batch.items() if k != "labels"}
-        )
-        with policy.autocast(), packing.packed_attention(model) if segments else nullcontext():
-            logits = model(**inputs).logits
-        loss = token_losses(logits, batch["labels"]).sum()
-        loss.backward()
+        floor_loss(model, batch, policy).backward()
         model.zero_grad(set_to_none=True)
     if policy.device.type == "cuda":
         torch.cuda.synchronize()

@@ -55,7 +55,14 @@ class Sizes:
     callback_batch: tuple[int, int] = (8, 512)
     """Examples per step, tokens per example."""
     floors: list[str] = field(
-        default_factory=lambda: ["eager", "sdpa", "sdpa-causal", "sdpa-packed", "flash-varlen"]
+        default_factory=lambda: [
+            "eager",
+            "sdpa",
+            "sdpa-causal",
+            "sdpa-packed",
+            "sdpa-segments",
+            "flash-varlen",
+        ]
     )
 
 
@@ -71,7 +78,7 @@ SMOKE = Sizes(
     sae_hookpoint="model.layers.2",
     callback_steps=4,
     callback_batch=(2, 32),
-    floors=["sdpa", "sdpa-causal"],
+    floors=["sdpa", "sdpa-causal", "sdpa-segments"],
 )
 
 

@@ -13,7 +13,7 @@ import torch
 from assay.cli import parse
 from assay.core.config import ModelConfig
 from assay.lm.data import collate
-from assay.lm.losses import example_losses, token_losses
+from assay.lm.losses import example_losses
 from assay.lm.models import load_model
 from bench import bench_build, bench_callback, floors, gpu_check, machine, random_model
 from tests.helpers import FP32, random_examples, tiny_llama
@@ -50,19 +50,19 @@ def test_machine_record_names_the_cpu_and_its_isa():
 
 
 def test_floors_compute_the_same_summed_loss_as_assay():
-    """Padded with a mask, padded without one and packed: the same examples, the same loss."""
+    """Padded with a mask, padded without one, packed and packed with attention per example: the
+    same examples, the same loss."""
     model = tiny_llama(7)
     examples = random_examples([9, 30, 14, 5], seed=7, loss_start=[1, 4, 1, 2])
     positions = [np.arange(4)]
     with torch.no_grad():
         ref = example_losses(model, collate(examples, positions[0], pad_id=0)).sum()
-        for name in ("sdpa", "sdpa-causal", "sdpa-packed", "eager"):
+        for name in ("sdpa", "sdpa-causal", "sdpa-packed", "sdpa-segments", "eager"):
             floor = floors.FLOORS[name]
             model.config._attn_implementation = floor.attention
             (batch,) = floors.floor_batches(floor, examples, positions, 0, torch.device("cpu"))
-            assert ("attention_mask" in batch) == (floor.layout == "masked")
-            inputs = {k: v for k, v in batch.items() if k != "labels"}
-            got = token_losses(model(**inputs).logits, batch["labels"]).sum()
+            assert ("attention_mask" in batch) == (floor.layout in ("masked", "segments")), name
+            got = floors.floor_loss(model, batch, FP32)
             torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5, msg=name)
     assert floors.available("flash-varlen", torch.device("cpu")) == "flash_attention_2 needs CUDA"
 

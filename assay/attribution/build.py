@@ -60,7 +60,7 @@ from assay.lm.models import (
     model_fingerprint,
     setup_runtime,
 )
-from assay.lm.packing import pack, packable
+from assay.lm.packing import pack, packable, saves_padding
 
 PROGRESS_FILE = "progress.json"
 FLOAT16_MAX = 65504.0
@@ -177,13 +177,13 @@ def iter_gradients(
 ) -> Iterator[tuple[np.ndarray, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]:
     """(positions, [B, D] fp32 gradients, [B] fp32 objective values, batch) per token batch.
 
-    The language-model loss runs on packed batches where the model allows (`assay.lm.packing`):
-    the same gradients without computing the padding."""
+    The language-model loss runs on packed batches where the model allows and packing saves
+    enough padding (`assay.lm.packing`): the same gradients without computing the padding."""
     packed = setup.packed and objective is None and packable(setup.model)
     objective = objective or example_losses
     with setup.collector() as col:
         for positions in batches:
-            if packed:
+            if packed and saves_padding(examples, positions):
                 batch = pack(examples, positions, setup.policy.device)
             else:
                 batch = collate(examples, positions, setup.pad_id, setup.policy.device)

@@ -38,6 +38,9 @@ import torch.nn.functional as F
 
 from assay.lm.data import Examples, bucket_length
 
+MIN_SAVING = 1 / 16
+"""A batch is packed when that removes at least this share of its padded positions; below it
+the copies into and out of attention's layout cost about what the padding does."""
 PACKED_ATTENTION = "assay_packed"
 SEGMENTS = "segment_lengths"
 """Batch key of a packed batch: [B] long, each example's token count in row order."""
@@ -59,6 +62,14 @@ def packable(model: Any) -> bool:
     if getattr(config, "use_sliding_window", False) or layer_types != {"full_attention"}:
         return False
     return getattr(config, "_attn_implementation", None) in ("sdpa", "eager")
+
+
+def saves_padding(examples: Examples, positions: np.ndarray) -> bool:
+    """Whether the packed row is shorter than the padded batch by `MIN_SAVING` of it."""
+    lengths = examples.lengths[positions]
+    padded = len(positions) * bucket_length(int(lengths.max()))
+    row = -(-int(lengths.sum()) // ROW_MULTIPLE) * ROW_MULTIPLE
+    return row <= (1 - MIN_SAVING) * padded
 
 
 def is_packed(batch: dict[str, torch.Tensor]) -> bool:

@@ -123,13 +123,22 @@ def test_packed_rows_equal_padded_rows(precision, tol):
         assert rel_err(got[i], ref[i]) <= tol, i
 
 
-def test_the_collection_loop_packs_only_the_language_model_loss_of_packable_models():
+def test_a_batch_is_packed_when_that_saves_enough_padding(monkeypatch):
+    examples = random_examples([100, 100, 20, 300])
+    monkeypatch.setattr(packing, "ROW_MULTIPLE", 64)
+    assert packing.saves_padding(examples, np.array([0, 2]))  # a row of 128 for 2 x 112 padded
+    assert not packing.saves_padding(examples, np.array([0, 1]))  # 256 for 2 x 112
+    assert not packing.saves_padding(examples, np.array([3]))  # 320 for 320: nothing saved
+
+
+def test_the_collection_loop_packs_only_the_language_model_loss_of_packable_models(monkeypatch):
     """`iter_gradients` packs Llama batches for the default loss and yields the padded batch's
     rows; a custom objective, `packed=False` and a GPT-2 keep right-padded batches."""
     from dataclasses import replace
 
     from assay.attribution.build import GradientSetup, iter_gradients
 
+    monkeypatch.setattr(packing, "ROW_MULTIPLE", 8)  # rows this short pack only with little filler
     examples = random_examples(LENGTHS, seed=7, loss_start=LOSS_START)
     batches = [np.array([0, 2, 4]), np.array([1, 3])]
 
