@@ -107,6 +107,24 @@ def test_packed_gradients_equal_autograd_on_each_example_alone(name):
             assert rel_err(grads[i, s.start : s.stop], ref[s.name].flatten()) <= 1e-5, (i, s.name)
 
 
+def test_packed_lora_adapter_gradients_equal_autograd_alone():
+    """A PEFT-wrapped model passes position_ids and the layout through to its base model."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(tiny_llama(4), LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"]))
+    for n, p in model.named_parameters():  # non-zero lora_B: both sides carry gradient
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.1)
+    assert packing.packable(model)
+    examples = random_examples(LENGTHS, seed=4, loss_start=LOSS_START)
+    modules = linear_modules(model)
+    with GradientCollector(model, modules, Projector(0), FP32) as col:
+        grads, _ = col.gradients(packing.pack(examples, np.arange(5)), example_losses)
+    for i, ref in enumerate(autograd_grads(model, examples, list(modules))):
+        for s in col.slots:
+            assert rel_err(grads[i, s.start : s.stop], ref[s.name].flatten()) <= 1e-5, (i, s.name)
+
+
 @pytest.mark.parametrize("precision,tol", [("fp32", 1e-5), ("bf16", 1e-2)])
 def test_packed_rows_equal_padded_rows(precision, tol):
     """Projected rows through the chunked head loss, with the batch in a shuffled order."""
