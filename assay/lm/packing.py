@@ -22,7 +22,9 @@ leaves them out, and every other layer treats tokens one by one, so no example s
 
 Only model types whose attention is called through transformers' attention interface with the
 forward's keyword arguments, and whose positions come from position_ids, qualify
-(`PACKED_MODEL_TYPES`); sliding-window attention does not (the slice would not apply it).
+(`PACKED_MODEL_TYPES`); sliding-window attention does not (the padded layout here applies no
+window). An eager-attention model packs too: its attention then runs through SDPA, the same
+numbers up to rounding.
 """
 
 from __future__ import annotations
@@ -173,8 +175,8 @@ def _attention(
     scaling: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """[1, heads, Σn, d] packed -> SDPA's causal kernel on the examples right-padded into
-    [B, heads, width, d] -> [1, Σn, heads, d]. Zeros after each example are never attended to
+    """[1, heads, row, d] packed -> SDPA's causal kernel on the examples right-padded into
+    [B, heads, width, d] -> [1, row, heads, d]. Zeros after each example are never attended to
     by its real tokens (causal), and their outputs are dropped."""
     repad: Repadding = kwargs[_REPADDING_KWARG]
     device = query.device.type
@@ -183,7 +185,9 @@ def _attention(
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     q, k, v = (repad.heads(x) for x in (query, key, value))
     gqa = q.shape[1] != k.shape[1]
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
+    out = F.scaled_dot_product_attention(
+        q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=gqa
+    )
     return repad.unpad_heads(out, query.shape[2])[None], None
 
 
