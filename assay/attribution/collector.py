@@ -38,7 +38,7 @@ from assay.core.errors import AssayError
 from assay.core.precision import STATS_DTYPE, PrecisionPolicy, check_finite, full_precision
 from assay.lm.hooks import is_conv1d, is_linear, match_modules
 from assay.lm.lean import grouped_query_attention, recompute_elementwise
-from assay.lm.packing import SEGMENTS, Repadding
+from assay.lm.packing import SEGMENTS, Repadding, is_packed
 
 Objective = Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]
 """(model, batch) -> [B] per-example scalars whose gradients are collected."""
@@ -299,7 +299,7 @@ class GradientCollector:
     def _attempt(
         self, batch: dict[str, torch.Tensor], objective: Objective, scale: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        packed = SEGMENTS in batch
+        packed = is_packed(batch)
         self._repad = Repadding.of(batch[SEGMENTS], self._device) if packed else None
         self._mask = None if packed else batch.get("attention_mask")
         self._saved, self._blocks, self._pending = {}, {}, None

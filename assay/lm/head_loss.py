@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 # Model types whose causal-LM forward returns `lm_head(last_hidden_state)` unchanged.
@@ -145,13 +146,9 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         return grad_hidden, None, None, None, None, None
 
 
-def chunked_head_losses(
-    hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor, examples: torch.Tensor | None = None
-) -> torch.Tensor:
-    """[B] summed next-token loss of each example from the head's input hidden [B, T, H].
-
-    `examples` [B, T]: the example each position belongs to, when a row holds several (a packed
-    batch, `assay.lm.packing`); by default row b is example b."""
+def chunked_head_losses(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor) -> torch.Tensor:
+    """[B, T] fp32 loss of each next-token target from the head's input hidden [B, T, H], laid
+    out as `assay.lm.losses.token_losses` lays them out (0 where labels are -100)."""
     targets = labels[:, 1:]  # position t predicts token t + 1
     keep = targets != -100  # [B, T-1]
     rows = hidden[:, :-1][keep]  # [N, H]: only positions with a target
@@ -159,7 +156,4 @@ def chunked_head_losses(
     losses = _ChunkedHeadLoss.apply(
         rows, head.weight, head.bias, targets[keep], _compute_dtype(hidden), need_grad
     )
-    if examples is None:
-        examples = torch.arange(labels.shape[0], device=labels.device)[:, None].expand_as(labels)
-    example = examples[:, :-1][keep]
-    return losses.new_zeros(int(examples.max()) + 1).index_add(0, example, losses)
+    return F.pad(losses.new_zeros(keep.shape).masked_scatter(keep, losses), (1, 0))

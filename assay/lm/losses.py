@@ -39,20 +39,27 @@ def example_losses(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> to
         if packed
         else forward_inputs(model, batch["input_ids"], batch.get("attention_mask"))
     )
-    examples = token_examples(batch) if packed else None
     head = fusable_head(model)
     with packed_attention(model) if packed else nullcontext():
         if head is not None:
             with head_bypassed(model, head) as captured:
                 model(**inputs)
             assert captured.hidden is not None
-            return chunked_head_losses(captured.hidden, head, batch["labels"], examples)
-        logits = model(**inputs).logits
-    with full_precision(logits.device):
-        losses = token_losses(logits, batch["labels"])
-        if examples is None:
-            return losses.sum(dim=1)
-        return losses.new_zeros(len(batch[SEGMENTS])).index_add(0, examples[0], losses[0])
+            losses = chunked_head_losses(captured.hidden, head, batch["labels"])
+        else:
+            logits = model(**inputs).logits
+            with full_precision(logits.device):
+                losses = token_losses(logits, batch["labels"])
+    return per_example(losses, batch)
+
+
+def per_example(token_values: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """[B] sums of [rows, T] per-position values over each example's positions: row b is
+    example b, or (a packed batch) one row holds them all."""
+    if not is_packed(batch):
+        return token_values.sum(dim=1)
+    examples = token_examples(batch)[0]
+    return token_values.new_zeros(len(batch[SEGMENTS])).index_add(0, examples, token_values[0])
 
 
 @torch.no_grad()
