@@ -7,13 +7,14 @@ queries and each row needs only its norm ‖W t‖ besides the GEMM (from a per-
 small per-module product; see `LowRank`).
 
 Why it is fast: scoring a few queries is memory-bound, so every row should cross the memory bus
-once. A chunk (~64 MiB of fp32) is used where the page cache holds it: its pages are mapped in
-one call and unmapped when the chunk is done (`rows.FileWindows`; resident memory stays bounded
-whatever N is, and no copy is made). It is then scored in blocks of ~2 MiB of fp32 that stay in
-the core's cache between the cast, the GEMM and the norms — or, for fp16 rows in inner,
-influence and cosine, screened whole by an fp16 GEMM with a proven error bound, only the rows
-that may reach the top k being scored again exactly (`Screen`): a stored number is then read
-once, as fp16. Chunks are spread over worker threads, one per core, each running
+once. Rows are scored in chunks (~64 MiB of fp32) and within a chunk in blocks of ~2 MiB of fp32
+that stay in the core's cache between the cast, the GEMM and the norms. An fp32 index's block is
+copied from the page cache into a buffer of the thread (`rows.FileBlocks`), so resident memory
+stays at a few blocks whatever N is. fp16 rows are used where the page cache holds them (a chunk's pages
+mapped in one call and unmapped when the chunk is done, `rows.FileWindows`), cast block by
+block, or for inner, influence and cosine screened whole by an fp16 GEMM with a proven error
+bound, only the rows that may reach the top k being scored again exactly (`Screen`): a stored
+number is then read once, as fp16. Chunks are spread over worker threads, one per core, each running
 single-threaded torch: a few large operations per chunk instead of many small multi-threaded
 ones whose synchronisation would cost more than their arithmetic.
 """
@@ -23,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -37,7 +37,7 @@ from assay.attribution.precondition import Whitening
 
 # ArrayRows, TensorRows and the per-row caches are re-exported: callers import them with the kernel
 from assay.attribution.rows import ArrayRows as ArrayRows
-from assay.attribution.rows import RowSource
+from assay.attribution.rows import FileBlocks, RowSource, thread_buffer
 from assay.attribution.rows import TensorRows as TensorRows
 from assay.attribution.rows import base_sq_norms as base_sq_norms
 from assay.attribution.rows import row_norms as row_norms
@@ -46,6 +46,7 @@ from assay.core.precision import STATS_DTYPE
 
 Mode = Literal["trackstar", "cosine", "inner", "influence"]
 Aggregate = Literal["none", "mean", "max"]
+Chunk = torch.Tensor | FileBlocks  # rows [C, D] in memory, or read from the file block by block
 MODES: tuple[str, ...] = ("trackstar", "cosine", "inner", "influence")
 AGGREGATES: tuple[str, ...] = ("none", "mean", "max")
 EPS = 1e-30
@@ -213,7 +214,7 @@ def lowrank_sq_norms(plan: QueryPlan, rows: torch.Tensor, start: int) -> torch.T
     return sq.clamp_min(0).float()
 
 
-def chunk_scores(plan: QueryPlan, rows: torch.Tensor, start: int = 0) -> torch.Tensor:
+def chunk_scores(plan: QueryPlan, rows: Chunk, start: int = 0) -> torch.Tensor:
     """[A, C] scores of the chunk rows [C, D] (any float dtype) that start at row `start`.
 
     Rows are cast to fp32 and scored a cache-sized block at a time (see the module docstring).
@@ -273,23 +274,12 @@ def screen_bounds(
     return approx, err
 
 
-_thread_buffers = threading.local()
-
-
-def _reused(name: str, *shape: int, device: torch.device, dtype: torch.dtype = STATS_DTYPE) -> torch.Tensor:
-    """This thread's buffer `name` viewed as `shape`, grown when too small: no fresh allocation
-    per block or chunk (on CPU each is a new mapping to fault in; see assay.core.memory)."""
-    numel = int(np.prod(shape))
-    buf = getattr(_thread_buffers, name, None)
-    if buf is None or buf.numel() < numel or buf.device != device or buf.dtype != dtype:
-        buf = torch.empty(numel, dtype=dtype, device=device)
-        setattr(_thread_buffers, name, buf)
-    return buf[:numel].view(shape)
-
-
-def _fp32_blocks(rows: torch.Tensor, step: int) -> Iterator[tuple[int, torch.Tensor]]:
+def _fp32_blocks(rows: Chunk, step: int) -> Iterator[tuple[int, torch.Tensor]]:
     """(start, block) over rows [C, D], `step` rows at a time, as fp32: other dtypes are cast
     into a reused buffer (no allocation, and no page faults, per block)."""
+    if isinstance(rows, FileBlocks):
+        yield from rows.blocks(step)
+        return
     scratch = _scratch(step, rows.shape[1], rows.device) if rows.dtype != STATS_DTYPE else None
     for s in range(0, rows.shape[0], step):
         block = rows[s : s + step]
@@ -298,7 +288,7 @@ def _fp32_blocks(rows: torch.Tensor, step: int) -> Iterator[tuple[int, torch.Ten
 
 def _scratch(rows: int, dim: int, device: torch.device) -> torch.Tensor:
     """This thread's reusable [rows, dim] fp32 block buffer (casts of fp16 rows)."""
-    return _reused("scratch", rows, dim, device=device)
+    return thread_buffer("scratch", rows, dim, device=device)
 
 
 def block_scores(
@@ -321,7 +311,7 @@ def block_scores(
     return scores
 
 
-def stacked_scores(plan: QueryPlan, rows: torch.Tensor, start: int) -> torch.Tensor:
+def stacked_scores(plan: QueryPlan, rows: Chunk, start: int) -> torch.Tensor:
     """[A, C] scores of rows [C, D] (any float dtype) for "lowrank" plans with a StackedModules.
 
     Per block of rows one bmm gives every module's scores and Woodbury terms; the sums over
@@ -334,7 +324,7 @@ def stacked_scores(plan: QueryPlan, rows: torch.Tensor, start: int) -> torch.Ten
     modules, width = weights.shape[0], weights.shape[2]
     num_rows, num_scores = rows.shape[0], plan.vectors.shape[0]
     step = max(16, min(num_rows, BLOCK_BYTES // (4 * rows.shape[1])))
-    both = _reused("stacked", -(-num_rows // step), modules, weights.shape[1], step, device=rows.device)
+    both = thread_buffer("stacked", -(-num_rows // step), modules, weights.shape[1], step, device=rows.device)
     for b, (_, block) in enumerate(_fp32_blocks(rows, step)):
         per_module = block.view(-1, modules, width).permute(1, 2, 0)  # [M, d, c]
         if block.shape[0] == step:
@@ -343,7 +333,7 @@ def stacked_scores(plan: QueryPlan, rows: torch.Tensor, start: int) -> torch.Ten
             both[b, :, :, : block.shape[0]] = torch.bmm(weights, per_module)
     scores = both[:, :, :num_scores].sum(dim=1).permute(1, 0, 2).reshape(num_scores, -1)[:, :num_rows]
     terms = both[:, :, num_scores:]  # fp64 for the sum of squares, in a reused buffer
-    terms = _reused("terms", *terms.shape, device=rows.device, dtype=torch.float64).copy_(terms)
+    terms = thread_buffer("terms", *terms.shape, device=rows.device, dtype=torch.float64).copy_(terms)
     correction = terms.square_().sum(dim=(1, 2)).reshape(-1)[:num_rows]
     base = plan.base_norms[start : start + num_rows] * plan.whitening.lowrank.base_scale
     sq = base - correction  # fp64: for a row close to a query the two nearly cancel
@@ -460,6 +450,9 @@ def score_rows(
     screen = plan.screen is not None and scores_out is None
 
     def score(start: int, stop: int, slot: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        lazy = _file_blocks(source, start, stop, device)
+        if lazy is not None:
+            return chunk_scores(plan, lazy, start), None
         rows = source.read_raw(start, stop, slot).to(device)
         if screen and rows.dtype == torch.float16:
             return screened_chunk(plan, rows, start, top_k)
@@ -478,6 +471,14 @@ def score_rows(
             if on_chunk is not None:
                 on_chunk(stop)
     return running.result()
+
+
+def _file_blocks(source: RowSource, start: int, stop: int, device: torch.device) -> FileBlocks | None:
+    """Rows start..stop read from the index file a block at a time, where they are an fp32 file's
+    scored on the CPU (see `FileBlocks`)."""
+    if device.type != "cpu" or not isinstance(source, ArrayRows):
+        return None
+    return source.file_blocks(start, stop)
 
 
 @contextlib.contextmanager

@@ -2,13 +2,17 @@
 
 A `RowSource` hands out rows in chunks: `ArrayRows` over a numpy array or a memmapped .npy (read
 through windows of one read-only mapping, `FileWindows`), `TensorRows` over an in-memory tensor.
+The scoring kernel reads a file's rows a block at a time instead where it can (`FileBlocks`).
 `row_norms` and `base_sq_norms` read a source once for the per-row numbers scoring reuses.
 """
 
 from __future__ import annotations
 
 import mmap
+import os
+import threading
 import warnings
+from collections.abc import Iterator
 from typing import Protocol
 
 import numpy as np
@@ -70,6 +74,17 @@ class ArrayRows:
     def read(self, start: int, stop: int, slot: int = 0) -> torch.Tensor:
         return self.read_raw(start, stop, slot).to(STATS_DTYPE)
 
+    def file_blocks(self, start: int, stop: int) -> FileBlocks | None:
+        """Rows start..stop to be read from the file block by block, or None where the rows are
+        not a whole fp32 file (or the platform lacks `os.preadv`).
+
+        fp16 rows are cast from the mapping instead: the cast is already the one copy into the
+        cache, and an extra read into a buffer measured slower (docs/BENCHMARKS.md, "Scoring").
+        """
+        if self._map is None or self.array.dtype != np.float32 or not hasattr(os, "preadv"):
+            return None
+        return FileBlocks(self._map, start, stop, self.dim)
+
     def _buffer(self, slot: int, n: int) -> np.ndarray:
         """The [n, D] stored-dtype buffer of this slot, grown when needed."""
         have = self._slots.get(slot)
@@ -101,6 +116,7 @@ class FileWindows:
             torch.frombuffer(self.map, dtype=torch.uint8, count=1)
         self.windows: dict[int, tuple[int, int]] = {}
         self.populate = True
+        self.reader = open(path, "rb", buffering=0)  # for `read_into`; closed with this object
 
     def rows(self, a: int, b: int, slot: int) -> torch.Tensor:
         """Elements a..b as a 1-d tensor over the mapping (valid until the slot is read again)."""
@@ -120,6 +136,15 @@ class FileWindows:
         first = self.offset + a * self.itemsize
         return torch.frombuffer(self.map, dtype=self.dtype, count=b - a, offset=first)
 
+    def read_into(self, out: memoryview, a: int) -> None:
+        """Copy elements from a on into the bytes `out` (no mapping; safe from several threads)."""
+        pos, done = self.offset + a * self.itemsize, 0
+        while done < len(out):
+            got = os.preadv(self.reader.fileno(), [out[done:]], pos + done)
+            if got <= 0:
+                raise AssayError(f"{self.path} is shorter than its header says: a damaged index")
+            done += got
+
     def _check_size(self, end: int) -> None:
         if self.map.size() < end:  # the file's size now (the mapping keeps its own descriptor)
             raise AssayError(f"{self.path} is shorter than its header says: a damaged index")
@@ -127,6 +152,52 @@ class FileWindows:
     def _advise(self, advice: int, lo: int, hi: int) -> None:
         if hi > lo and hasattr(self.map, "madvise"):
             self.map.madvise(advice, lo, hi - lo)
+
+
+class FileBlocks:
+    """fp32 rows start..stop of a file, read a block at a time into a small buffer of the thread.
+
+    Scoring a few queries is memory-bound. A block copied from the page cache into a cache-sized
+    buffer is multiplied while it is still in the core's cache, so each row crosses the memory
+    bus about once, and nothing is mapped: mapping a chunk's pages (`FileWindows`) costs a
+    page-table update per 4 KiB on every pass, which on AMD EPYC took as long as the arithmetic
+    of an fp32 index (docs/BENCHMARKS.md, "Scoring").
+    """
+
+    def __init__(self, file: FileWindows, start: int, stop: int, dim: int):
+        assert file.dtype == STATS_DTYPE
+        self.file, self.start = file, start
+        self.shape = (stop - start, dim)
+        self.dtype = file.dtype
+        self.device = torch.device("cpu")
+
+    def blocks(self, step: int) -> Iterator[tuple[int, torch.Tensor]]:
+        """(offset, rows [≤ step, D]) in order; each block is valid until the next one."""
+        num_rows, dim = self.shape
+        buffer = thread_buffer("file_block", step, dim)
+        view = buffer.numpy().data.cast("B")
+        row_bytes = dim * self.file.itemsize
+        for s in range(0, num_rows, step):
+            c = min(step, num_rows - s)
+            self.file.read_into(view[: c * row_bytes], (self.start + s) * dim)
+            yield s, buffer[:c]
+
+
+_thread_buffers = threading.local()
+
+
+def thread_buffer(
+    name: str, *shape: int, device: torch.device | None = None, dtype: torch.dtype = STATS_DTYPE
+) -> torch.Tensor:
+    """This thread's buffer `name` viewed as `shape`, grown when too small: no fresh allocation
+    per block or chunk (on CPU each is a new mapping to fault in; see assay.core.memory)."""
+    device = device or torch.device("cpu")
+    numel = int(np.prod(shape))
+    buf = getattr(_thread_buffers, name, None)
+    if buf is None or buf.numel() < numel or buf.device != device or buf.dtype != dtype:
+        buf = torch.empty(numel, dtype=dtype, device=device)
+        setattr(_thread_buffers, name, buf)
+    return buf[:numel].view(shape)
 
 
 def _backing_file(array: np.ndarray) -> tuple[str, int] | None:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from assay.attribution import kernel
+from assay.attribution import rows as rows_module
 from assay.attribution.kernel import (
     AGGREGATES,
     MODES,
@@ -130,6 +131,43 @@ def test_memmap_file_rows_fp16(data, tmp_path):
             score_rows(source, plan, scores_out=got, chunk_rows=128, workers=workers)
             np.testing.assert_array_equal(got, want)  # same blocks, same arithmetic: bit-identical
     assert ArrayRows(mm[10:20])._file is None  # a slice keeps its parent's offset: not a file region
+
+
+@pytest.mark.parametrize("mode", [*MODES, "trackstar-cached"])
+def test_fp32_file_rows_are_read_block_by_block(data, mode, tmp_path, monkeypatch):
+    """An fp32 index file is scored from blocks read into a thread buffer (no mapping), bit-identical
+    to the same rows in memory, a short block last in each chunk, on any worker count."""
+    train, queries, whitening = data
+    np.save(tmp_path / "g.npy", train)
+    source = ArrayRows(np.load(tmp_path / "g.npy", mmap_mode="r"))
+    monkeypatch.setattr(kernel, "BLOCK_BYTES", 16 * 4 * train.shape[1])  # 16-row blocks
+    reads = []
+    windows = rows_module.FileWindows
+    real = windows.read_into
+    monkeypatch.setattr(windows, "read_into", lambda s, out, a: reads.append(a) or real(s, out, a))
+    monkeypatch.setattr(windows, "rows", lambda *a: pytest.fail("fp32 rows were mapped"))
+    base = None
+    if mode.endswith("cached"):
+        base = base_sq_norms(TensorRows(torch.from_numpy(train)), whitening, 300)
+    plan = plan_queries(torch.from_numpy(queries), mode.split("-")[0], "none", whitening, base)
+    want = np.zeros((4, 1000), np.float32)
+    score_rows(TensorRows(torch.from_numpy(train)), plan, scores_out=want, chunk_rows=100)
+    for workers in (1, 3):
+        got = np.zeros((4, 1000), np.float32)
+        score_rows(source, plan, scores_out=got, chunk_rows=100, workers=workers)  # 6 × 16 + 4 per chunk
+        np.testing.assert_array_equal(got, want)
+    assert sorted(set(reads))[:8] == [0, 16 * 32, 32 * 32, 48 * 32, 64 * 32, 80 * 32, 96 * 32, 100 * 32]
+
+
+def test_a_truncated_fp32_file_is_a_clear_error_when_scored(data, tmp_path):
+    train, queries, _ = data
+    path = tmp_path / "g.npy"
+    np.save(path, train)
+    source = ArrayRows(np.load(path, mmap_mode="r"))
+    os.truncate(path, os.path.getsize(path) - 32 * 4 * 10)  # the last 10 rows gone
+    plan = plan_queries(torch.from_numpy(queries), "inner", "none")
+    with pytest.raises(AssayError, match="shorter than its header says"):
+        score_rows(source, plan, chunk_rows=128)
 
 
 def test_errors_are_clear(data):
