@@ -43,7 +43,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_sae_common import DEAD_WINDOW_STEPS, Timer, batches, load_split, machine, scale_of  # noqa: E402
 
 ARCHS = ("topk", "batchtopk", "matryoshka", "jumprelu", "relu")
-COEFFICIENTS = {"relu": 5.0, "jumprelu": 1.0}  # the same sparsity coefficient for both libraries
 WARMUP, DECAY = 10, 0.2  # Adam's schedule for both libraries (assay's signum: none)
 
 
@@ -150,9 +149,9 @@ def run_assay(args: argparse.Namespace) -> None:
             torch.manual_seed(args.init_seed)
             cfg = SaeArchConfig(
                 architecture=arch, k=k, matryoshka_widths=widths(args.d_sae),
-                l1_coefficient=COEFFICIENTS["relu"], l0_coefficient=COEFFICIENTS["jumprelu"],
+                l1_coefficient=args.l1_coefficient, l0_coefficient=args.l0_coefficient,
             )  # fmt: skip
-            base = COEFFICIENTS.get(arch, 0.0)  # the sparsity penalty's weight (0: TopK-type)
+            base = coefficients(args).get(arch, 0.0)  # the sparsity penalty's weight (0: TopK-type)
             sae = SparseAutoencoder(d_in, args.d_sae, cfg)
             with torch.no_grad():
                 sae.b_dec.copy_(data[0].mean(0))
@@ -201,7 +200,12 @@ def run_floor(args: argparse.Namespace) -> None:
 
 
 # ---- SAELens (peers' environment) ----------------------------------------------------------
-def saelens_sae(arch: str, d_in: int, d_sae: int, k: int, steps: int) -> Any:
+def coefficients(args: argparse.Namespace) -> dict[str, float]:
+    """The sparsity penalty's weight per penalised architecture, the same in both libraries."""
+    return {"relu": args.l1_coefficient, "jumprelu": args.l0_coefficient}
+
+
+def saelens_sae(arch: str, d_in: int, d_sae: int, k: int, steps: int, coefs: dict[str, float]) -> Any:
     import sae_lens as sl
 
     warm = max(1, int(0.05 * steps))
@@ -216,11 +220,11 @@ def saelens_sae(arch: str, d_in: int, d_sae: int, k: int, steps: int) -> Any:
         return sl.MatryoshkaBatchTopKTrainingSAE(cfg)
     if arch == "jumprelu":
         cfg_j = sl.JumpReLUTrainingSAEConfig(
-            d_in=d_in, d_sae=d_sae, l0_coefficient=COEFFICIENTS["jumprelu"], l0_warm_up_steps=warm
+            d_in=d_in, d_sae=d_sae, l0_coefficient=coefs["jumprelu"], l0_warm_up_steps=warm
         )
         return sl.JumpReLUTrainingSAE(cfg_j)
     cfg_s = sl.StandardTrainingSAEConfig(
-        d_in=d_in, d_sae=d_sae, l1_coefficient=COEFFICIENTS["relu"], l1_warm_up_steps=warm
+        d_in=d_in, d_sae=d_sae, l1_coefficient=coefs["relu"], l1_warm_up_steps=warm
     )
     return sl.StandardTrainingSAE(cfg_s)
 
@@ -234,7 +238,7 @@ def run_saelens(args: argparse.Namespace) -> None:
     for arch in args.archs:
         for precision in args.precision:
             torch.manual_seed(args.init_seed)
-            sae = saelens_sae(arch, d_in, args.d_sae, k, steps)
+            sae = saelens_sae(arch, d_in, args.d_sae, k, steps, coefficients(args))
             with torch.no_grad():
                 sae.b_dec.copy_(data[0].mean(0))
             unit = arch in ("topk", "batchtopk", "matryoshka")
@@ -338,6 +342,8 @@ def main() -> None:
     p.add_argument("--archs", nargs="+", default=list(ARCHS), choices=ARCHS)
     p.add_argument("--precision", nargs="+", default=["fp32", "bf16"])
     p.add_argument("--seed", type=int, default=0, help="the generator's seed, and the batch order")
+    p.add_argument("--l0_coefficient", type=float, default=1.0, help="JumpReLU's L0 penalty, both libraries")
+    p.add_argument("--l1_coefficient", type=float, default=5.0, help="ReLU's L1 penalty, both libraries")
     p.add_argument(
         "--init_seed", type=int, default=1, help="the SAEs' initialisation (never --seed: see the docstring)"
     )
