@@ -122,6 +122,7 @@ def test_memmap_file_rows_fp16(data, tmp_path):
     exact = stored.astype(np.float32)
     np.testing.assert_array_equal(source.read(100, 230).numpy(), exact[100:230])
     assert source.read_raw(100, 230).dtype == torch.float16  # cast later, a cache-sized block at a time
+    assert source.file_blocks(0, 10) is None  # fp16 rows are cast from the mapping, never copied first
     for mode in MODES:
         plan = plan_queries(torch.from_numpy(queries), mode, "none", whitening)
         want = np.zeros((4, 1000), np.float32)
@@ -131,6 +132,7 @@ def test_memmap_file_rows_fp16(data, tmp_path):
             score_rows(source, plan, scores_out=got, chunk_rows=128, workers=workers)
             np.testing.assert_array_equal(got, want)  # same blocks, same arithmetic: bit-identical
     assert ArrayRows(mm[10:20])._file is None  # a slice keeps its parent's offset: not a file region
+    assert ArrayRows(exact).file_blocks(0, 10) is None  # rows in memory are used where they are
 
 
 @pytest.mark.parametrize("mode", [*MODES, "trackstar-cached"])
