@@ -10,13 +10,13 @@ Why it is fast: scoring a few queries is memory-bound, so every row should cross
 once. Rows are scored in chunks (~64 MiB of fp32) and within a chunk in blocks of ~2 MiB of fp32
 that stay in the core's cache between the cast, the GEMM and the norms. An fp32 index's block is
 copied from the page cache into a buffer of the thread (`rows.FileBlocks`), so resident memory
-stays at a few blocks whatever N is. fp16 rows are used where the page cache holds them (a chunk's pages
-mapped in one call and unmapped when the chunk is done, `rows.FileWindows`), cast block by
-block, or for inner, influence and cosine screened whole by an fp16 GEMM with a proven error
-bound, only the rows that may reach the top k being scored again exactly (`Screen`): a stored
-number is then read once, as fp16. Chunks are spread over worker threads, one per core, each running
-single-threaded torch: a few large operations per chunk instead of many small multi-threaded
-ones whose synchronisation would cost more than their arithmetic.
+stays at a few blocks whatever N is. fp16 rows are used where the page cache holds them (a
+chunk's pages mapped in one call and unmapped when the chunk is done, `rows.FileWindows`), cast
+block by block, or for inner, influence and cosine screened whole by an fp16 GEMM with a proven
+error bound, only the rows that may reach the top k being scored again exactly (`Screen`): a
+stored number is then read once, as fp16. Chunks are spread over worker threads, one per core,
+each running single-threaded torch: a few large operations per chunk instead of many small
+multi-threaded ones whose synchronisation would cost more than their arithmetic.
 """
 
 from __future__ import annotations

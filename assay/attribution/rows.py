@@ -12,6 +12,7 @@ import mmap
 import os
 import threading
 import warnings
+import weakref
 from collections.abc import Iterator
 from typing import Protocol
 
@@ -116,7 +117,8 @@ class FileWindows:
             torch.frombuffer(self.map, dtype=torch.uint8, count=1)
         self.windows: dict[int, tuple[int, int]] = {}
         self.populate = True
-        self.reader = open(path, "rb", buffering=0)  # for `read_into`; closed with this object
+        self.fd = os.open(path, os.O_RDONLY)  # for `read_into`
+        weakref.finalize(self, os.close, self.fd)
 
     def rows(self, a: int, b: int, slot: int) -> torch.Tensor:
         """Elements a..b as a 1-d tensor over the mapping (valid until the slot is read again)."""
@@ -140,14 +142,17 @@ class FileWindows:
         """Copy elements from a on into the bytes `out` (no mapping; safe from several threads)."""
         pos, done = self.offset + a * self.itemsize, 0
         while done < len(out):
-            got = os.preadv(self.reader.fileno(), [out[done:]], pos + done)
+            got = os.preadv(self.fd, [out[done:]], pos + done)
             if got <= 0:
-                raise AssayError(f"{self.path} is shorter than its header says: a damaged index")
+                raise self._damaged()
             done += got
 
     def _check_size(self, end: int) -> None:
         if self.map.size() < end:  # the file's size now (the mapping keeps its own descriptor)
-            raise AssayError(f"{self.path} is shorter than its header says: a damaged index")
+            raise self._damaged()
+
+    def _damaged(self) -> AssayError:
+        return AssayError(f"{self.path} is shorter than its header says: a damaged index")
 
     def _advise(self, advice: int, lo: int, hi: int) -> None:
         if hi > lo and hasattr(self.map, "madvise"):
@@ -168,7 +173,6 @@ class FileBlocks:
         assert file.dtype == STATS_DTYPE
         self.file, self.start = file, start
         self.shape = (stop - start, dim)
-        self.dtype = file.dtype
         self.device = torch.device("cpu")
 
     def blocks(self, step: int) -> Iterator[tuple[int, torch.Tensor]]:
