@@ -165,8 +165,8 @@ class FileBlocks:
     Scoring a few queries is memory-bound. A block copied from the page cache into a cache-sized
     buffer is multiplied while it is still in the core's cache, so each row crosses the memory
     bus about once, and nothing is mapped: mapping a chunk's pages (`FileWindows`) costs a
-    page-table update per 4 KiB on every pass, which on AMD EPYC took as long as the arithmetic
-    of an fp32 index (docs/BENCHMARKS.md, "Scoring").
+    page-table update per 4 KiB on every pass; on AMD EPYC, dropping it took cached TrackStar on
+    an fp32 index from 1.37-1.69x the in-memory matmul to 0.85-0.96x (docs/BENCHMARKS.md, "Scoring").
     """
 
     def __init__(self, file: FileWindows, start: int, stop: int, dim: int):
