@@ -10,8 +10,8 @@ Variants (`FLOORS`), each a training step with parameter gradients over the same
                 are the masked ones (SDPA's `is_causal` kernel; what bergson does)
   sdpa-packed   each batch's examples concatenated into one row with restarting position_ids
                 (padding-free); transformers turns that into a block-diagonal causal mask
-  sdpa-segments the same packed row, SDPA's causal kernel run on each example's slice of it
-                (`assay.lm.packing`, what `assay build` runs on the models it packs)
+  sdpa-segments the same packed row; attention alone sees the examples right-padded, one batched
+                causal SDPA call (`assay.lm.packing`, what `assay build` runs on the models it packs)
   flash-varlen  the same packed row through `attn_implementation="flash_attention_2"` (CUDA and
                 the flash-attn package only: its variable-length kernel attends within each example)
 
@@ -46,7 +46,7 @@ class Floor:
     """transformers' attn_implementation."""
     layout: str
     """masked: right-padded with the mask; causal: right-padded, no mask; packed: one row per batch;
-    segments: one row per batch, attention run per example."""
+    segments: one row per batch, attention on the examples re-padded (`assay.lm.packing`)."""
 
 
 FLOORS = {
