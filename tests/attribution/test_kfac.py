@@ -29,7 +29,7 @@ from assay.attribution.kfac_fit import (
 )
 from assay.attribution.precondition import build_whitening, single_thread
 from assay.attribution.projection import Projector
-from assay.core.distributed import Distributed
+from assay.core.distributed import Distributed, finish_process_group
 from assay.core.errors import AssayError
 from assay.core.precision import PrecisionPolicy
 from assay.lm.data import Examples, collate
@@ -220,7 +220,7 @@ def _fit_shard(rank: int, world: int, store: str, out: str) -> None:
     )
     if rank == 0:
         save_factors(factors, out)
-    tdist.destroy_process_group()
+    finish_process_group()  # as the CLI ends a run: a barrier, then the teardown
 
 
 @pytest.mark.slow
