@@ -166,7 +166,7 @@ class FileBlocks:
     buffer is multiplied while it is still in the core's cache, so each row crosses the memory
     bus about once, and nothing is mapped: mapping a chunk's pages (`FileWindows`) costs a
     page-table update per 4 KiB on every pass; on AMD EPYC, dropping it took cached TrackStar on
-    an fp32 index from 1.35-1.58x the in-memory matmul to 0.85-0.96x (docs/BENCHMARKS.md, "Scoring").
+    an fp32 index from 1.35-1.58x the in-memory matmul to 0.77-0.96x (docs/BENCHMARKS.md, "Scoring").
     """
 
     def __init__(self, file: FileWindows, start: int, stop: int, dim: int):
