@@ -147,9 +147,13 @@ def run_assay(args: argparse.Namespace) -> None:
     for arch in args.archs:
         for precision in args.precision:
             torch.manual_seed(args.init_seed)
+            rate = args.jumprelu_threshold_lr
+            own = {} if rate is None else {"jumprelu_threshold_lr": rate}  # None: assay's default
             cfg = SaeArchConfig(
                 architecture=arch, k=k, matryoshka_widths=widths(args.d_sae),
                 l1_coefficient=args.l1_coefficient, l0_coefficient=args.l0_coefficient,
+                jumprelu_init_threshold=args.jumprelu_init_threshold,
+                **own,
             )  # fmt: skip
             base = coefficients(args).get(arch, 0.0)  # the sparsity penalty's weight (0: TopK-type)
             sae = SparseAutoencoder(d_in, args.d_sae, cfg)
@@ -205,7 +209,9 @@ def coefficients(args: argparse.Namespace) -> dict[str, float]:
     return {"relu": args.l1_coefficient, "jumprelu": args.l0_coefficient}
 
 
-def saelens_sae(arch: str, d_in: int, d_sae: int, k: int, steps: int, coefs: dict[str, float]) -> Any:
+def saelens_sae(
+    arch: str, d_in: int, d_sae: int, k: int, steps: int, coefs: dict[str, float], threshold: float
+) -> Any:
     import sae_lens as sl
 
     warm = max(1, int(0.05 * steps))
@@ -220,8 +226,9 @@ def saelens_sae(arch: str, d_in: int, d_sae: int, k: int, steps: int, coefs: dic
         return sl.MatryoshkaBatchTopKTrainingSAE(cfg)
     if arch == "jumprelu":
         cfg_j = sl.JumpReLUTrainingSAEConfig(
-            d_in=d_in, d_sae=d_sae, l0_coefficient=coefs["jumprelu"], l0_warm_up_steps=warm
-        )
+            d_in=d_in, d_sae=d_sae, l0_coefficient=coefs["jumprelu"], l0_warm_up_steps=warm,
+            jumprelu_init_threshold=threshold,
+        )  # fmt: skip
         return sl.JumpReLUTrainingSAE(cfg_j)
     cfg_s = sl.StandardTrainingSAEConfig(
         d_in=d_in, d_sae=d_sae, l1_coefficient=coefs["relu"], l1_warm_up_steps=warm
@@ -238,7 +245,8 @@ def run_saelens(args: argparse.Namespace) -> None:
     for arch in args.archs:
         for precision in args.precision:
             torch.manual_seed(args.init_seed)
-            sae = saelens_sae(arch, d_in, args.d_sae, k, steps, coefficients(args))
+            threshold = args.jumprelu_init_threshold
+            sae = saelens_sae(arch, d_in, args.d_sae, k, steps, coefficients(args), threshold)
             with torch.no_grad():
                 sae.b_dec.copy_(data[0].mean(0))
             unit = arch in ("topk", "batchtopk", "matryoshka")
@@ -344,6 +352,14 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0, help="the generator's seed, and the batch order")
     p.add_argument("--l0_coefficient", type=float, default=1.0, help="JumpReLU's L0 penalty, both libraries")
     p.add_argument("--l1_coefficient", type=float, default=5.0, help="ReLU's L1 penalty, both libraries")
+    p.add_argument(
+        "--jumprelu_init_threshold", type=float, default=0.01,
+        help="JumpReLU's initial threshold (on the normalised batches), both libraries",
+    )  # fmt: skip
+    p.add_argument(
+        "--jumprelu_threshold_lr", type=float, default=None,
+        help="assay's JumpReLU threshold learning-rate multiple (default: assay's; SAELens has none: 1)",
+    )  # fmt: skip
     p.add_argument(
         "--init_seed", type=int, default=1, help="the SAEs' initialisation (never --seed: see the docstring)"
     )

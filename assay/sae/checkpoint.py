@@ -77,10 +77,10 @@ def load_checkpoint(
             opt.state[p] = entries
     dead.since.copy_(load_file(str(folder / "counters.safetensors"))["since"])
     if isinstance(opt, ScheduleFreeSignSGD):
-        if len(saved["optimizer_groups"]) != len(opt.param_groups):  # one group before encoder steps
+        if len(saved["optimizer_groups"]) != len(opt.param_groups):  # an older layout of groups
             raise AssayError(
-                f"{folder} was written by an older assay (one signum parameter group, not "
-                f"{len(opt.param_groups)}); delete the checkpoint to train from the start"
+                f"{folder} was written by an older assay ({len(saved['optimizer_groups'])} signum parameter "
+                f"groups, not {len(opt.param_groups)}); delete the checkpoint to train from the start"
             )
         opt.load_scalars(saved["optimizer_groups"])
     return TrainState(step=int(saved["step"]), tokens=int(saved["tokens"]))

@@ -74,7 +74,7 @@ def train_step(
     """One SAE update on a batch x [N, d_in] of normalised activations (a transcoder: against
     target [N, d_out])."""
     for group in opt.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group.get("lr_scale", 1.0)  # JumpReLU's thresholds: their own multiple
     mask = dead.aux_mask().to(x.device)
     with policy.autocast():  # encode, decode, losses
         out = sae.train_forward(x, mask if bool(mask.any()) else None, sparsity_coef, target)

@@ -152,18 +152,31 @@ def default_learning_rate(d_sae: int, unit_decoder: bool = False, optimizer: str
 def make_optimizer(
     sae: SparseAutoencoder, lr: float, kind: str = "adam", momentum: float = 0.98, average_power: float = 1.0
 ) -> torch.optim.Optimizer:
-    """Adam or schedule-free sign-SGD ("signum") on the fp32 parameters (state fp32 too).
+    """Adam or schedule-free sign-SGD ("signum") on the fp32 parameters (state fp32 too);
+    JumpReLU's thresholds step at their own rate (`threshold_groups`).
 
     Signum moves every weight by lr per step whatever its size, and the fitted unit start makes
     the encoder c times smaller than the decoder (c ~ 0.5): W_enc gets its own group whose
     steps are scaled by its size relative to W_dec's now, times SIGNUM_ENCODER_STEP. Build it
     after the start is set; a checkpoint restores the scale it was trained with.
     """
+    thresholds = threshold_groups(sae)
+    own = {id(p) for group in thresholds for p in group["params"]}
     if kind == "signum":
-        rest = [p for p in sae.parameters() if p is not sae.W_enc]
+        own.add(id(sae.W_enc))
+        rest = [p for p in sae.parameters() if id(p) not in own]
         groups = [{"params": [sae.W_enc], "step_scale": encoder_step_scale(sae)}, {"params": rest}]
-        return ScheduleFreeSignSGD(groups, lr=lr, momentum=momentum, r=average_power)
-    return torch.optim.Adam(sae.parameters(), lr=lr, betas=(0.9, 0.999))
+        return ScheduleFreeSignSGD(groups + thresholds, lr=lr, momentum=momentum, r=average_power)
+    rest = [p for p in sae.parameters() if id(p) not in own]
+    return torch.optim.Adam([{"params": rest}, *thresholds], lr=lr, betas=(0.9, 0.999))
+
+
+def threshold_groups(sae: SparseAutoencoder) -> list[dict[str, Any]]:
+    """JumpReLU's learned thresholds in a group of their own, whose learning rate is the
+    schedule's times "lr_scale" (--jumprelu_threshold_lr; the training step applies it)."""
+    if not sae.rule.learned_threshold:
+        return []
+    return [{"params": [sae.jumprelu_threshold], "lr_scale": sae.arch.jumprelu_threshold_lr}]
 
 
 @torch.no_grad()

@@ -202,11 +202,46 @@ def test_a_checkpoint_is_resumed_only_by_the_optimizer_and_layout_that_wrote_it(
 
 
 def test_a_config_saved_before_the_options_existed_replays_as_it_ran() -> None:
-    """`assay replay` of an old run: no --optimizer meant Adam, no --decoder_init the small start."""
+    """`assay replay` of an old run: no --optimizer meant Adam, no --decoder_init the small start,
+    no --jumprelu_threshold_lr thresholds at the weights' rate."""
     from assay.core.runs import config_from_dict, config_to_dict
 
     saved = config_to_dict(SaeTrainConfig(out="o"))
-    del saved["optimizer"], saved["sae"]["decoder_init"]
+    del saved["optimizer"], saved["sae"]["decoder_init"], saved["sae"]["jumprelu_threshold_lr"]
     old = config_from_dict(SaeTrainConfig, saved)
     assert (old.optimizer, old.sae.decoder_init, old.optimizer_name) == ("adam", "small", "adam")
+    assert old.sae.jumprelu_threshold_lr == 1.0 and SaeArchConfig().jumprelu_threshold_lr == 10.0
     assert config_from_dict(SaeTrainConfig, config_to_dict(SaeTrainConfig(out="o"))).optimizer == "auto"
+
+
+@pytest.mark.parametrize("kind", ["adam", "signum"])
+def test_jumprelu_thresholds_step_at_their_own_multiple_of_the_learning_rate(kind: str) -> None:
+    """Both optimizers move a parameter by about lr per step whatever its gradient (Adam's first
+    step by exactly lr·sign(g)): the thresholds' first step is --jumprelu_threshold_lr times the
+    step they take at 1, and every other parameter steps alike at either setting."""
+    from assay.core.precision import PrecisionPolicy
+    from assay.sae.metrics import DeadLatents
+    from assay.sae.model import SparseAutoencoder
+    from assay.sae.train import train_step
+
+    x, moved = torch.randn(64, 8), {}
+    for scale in (1.0, 10.0):
+        torch.manual_seed(0)
+        cfg = SaeArchConfig(architecture="jumprelu", jumprelu_init_threshold=0.5, jumprelu_threshold_lr=scale)
+        sae = SparseAutoencoder(8, 32, cfg)
+        with torch.no_grad():
+            sae.jumprelu_threshold.copy_(torch.linspace(0.0, 0.4, 32))  # pre-acts near some of them
+        start = {n: p.detach().clone() for n, p in sae.named_parameters()}
+        opt = make_optimizer(sae, 1e-3, kind)
+        train_step(sae, opt, x, DeadLatents(32, 100), PrecisionPolicy.resolve("fp32"), 1e-3, 1.0, 1.0, True)
+        if kind == "signum":
+            opt.eval()  # the averaged point, which moved as z did at the first step
+        moved[scale] = {n: p.detach() - start[n] for n, p in sae.named_parameters()}
+    step = moved[1.0]["jumprelu_threshold"]
+    assert (step != 0).any()
+    torch.testing.assert_close(moved[10.0]["jumprelu_threshold"], 10 * step, rtol=1e-4, atol=1e-9)
+    for name in moved[1.0]:
+        if name != "jumprelu_threshold":
+            torch.testing.assert_close(moved[10.0][name], moved[1.0][name])
+    with pytest.raises(AssayError, match="jumprelu_threshold_lr must be positive"):
+        SaeArchConfig(architecture="jumprelu", jumprelu_threshold_lr=0.0)
