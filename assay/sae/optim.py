@@ -160,15 +160,16 @@ def make_optimizer(
     steps are scaled by its size relative to W_dec's now, times SIGNUM_ENCODER_STEP. Build it
     after the start is set; a checkpoint restores the scale it was trained with.
     """
-    thresholds = threshold_groups(sae)
-    own = {id(p) for group in thresholds for p in group["params"]}
+    encoder: list[dict[str, Any]] = []
     if kind == "signum":
-        own.add(id(sae.W_enc))
-        rest = [p for p in sae.parameters() if id(p) not in own]
-        groups = [{"params": [sae.W_enc], "step_scale": encoder_step_scale(sae)}, {"params": rest}]
-        return ScheduleFreeSignSGD(groups + thresholds, lr=lr, momentum=momentum, r=average_power)
-    rest = [p for p in sae.parameters() if id(p) not in own]
-    return torch.optim.Adam([{"params": rest}, *thresholds], lr=lr, betas=(0.9, 0.999))
+        encoder = [{"params": [sae.W_enc], "step_scale": encoder_step_scale(sae)}]
+    thresholds = threshold_groups(sae)
+    own = {id(p) for group in encoder + thresholds for p in group["params"]}
+    rest: dict[str, Any] = {"params": [p for p in sae.parameters() if id(p) not in own]}
+    groups = [*encoder, rest, *thresholds]
+    if kind == "signum":
+        return ScheduleFreeSignSGD(groups, lr=lr, momentum=momentum, r=average_power)
+    return torch.optim.Adam(groups, lr=lr, betas=(0.9, 0.999))
 
 
 def threshold_groups(sae: SparseAutoencoder) -> list[dict[str, Any]]:
