@@ -35,7 +35,13 @@ from assay.sae.config import SaeArchConfig, default_aux_window  # noqa: E402
 from assay.sae.metrics import DeadLatents  # noqa: E402
 from assay.sae.model import SparseAutoencoder  # noqa: E402
 from assay.sae.optim import averaged  # noqa: E402
-from assay.sae.train import default_learning_rate, lr_at, make_optimizer, train_step  # noqa: E402
+from assay.sae.train import (  # noqa: E402
+    calibrate_threshold,
+    default_learning_rate,
+    lr_at,
+    make_optimizer,
+    train_step,
+)
 
 
 def prepare(args: argparse.Namespace) -> Path:
@@ -120,6 +126,7 @@ def run_ours(
         train_step(sae, opt, x, dead, policy, step_lr, 0.0, 1.0, first=i == 0)
     speed = timer.tokens_per_s(args.batch)
     with averaged(opt):  # signum: the averaged point x
+        calibrate_threshold(sae, data[-1])  # BatchTopK kinds: the threshold assay saves
         q = quality(sae.forward, sae.encode, held_out)
     name = "assay" if args.architecture == "topk" else f"assay-{args.architecture}"
     rec = record(name, precision, d_in, d_sae, args, speed, q, dead.fraction())

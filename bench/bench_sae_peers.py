@@ -5,10 +5,13 @@ Runs under the peers' environment (make test-interop builds it):
 
 SAELens 6: its own SAETrainer (Adam, grad clipping, autocast switch) with a TopKTrainingSAE
 fed our batches through its DataProvider interface, with its recommended TopK settings
-(rescale_acts_by_decoder_norm, AuxK). sparsify 1.3: its CLI needs CUDA, so its trainer's
-step is reproduced around its SparseCoder (b_dec at the first batch's mean, unit-norm
-decoder, parallel-gradient removal, fvu + auxk_alpha * auxk loss) with its default signum
-optimiser (ScheduleFree SignSGD) or Adam. Same lr for SAELens and Adam runs as ours.
+(rescale_acts_by_decoder_norm, AuxK); with --architecture batchtopk or matryoshka, its
+BatchTopK or Matryoshka BatchTopK SAE (widths d_sae / 16, / 8, / 4, / 2, d_sae, assay's
+default), evaluated as the JumpReLU it saves for inference (as assay's are).
+sparsify 1.3: its CLI needs CUDA, so its trainer's step is reproduced around its SparseCoder
+(b_dec at the first batch's mean, unit-norm decoder, parallel-gradient removal, fvu +
+auxk_alpha * auxk loss) with its default signum optimiser (ScheduleFree SignSGD) or Adam.
+Same lr for SAELens and Adam runs as ours.
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ import argparse
 import json
 import math
 import sys
+import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -30,14 +35,40 @@ def default_lr(d_sae: int) -> float:
     return 3.2e-3 / math.sqrt(d_sae / 2**14)
 
 
+def saelens_sae(arch: str, d_in: int, d_sae: int, k: int) -> Any:
+    """SAELens's training SAE of the architecture, at its recommended settings."""
+    import sae_lens as sl
+
+    if arch == "batchtopk":
+        return sl.BatchTopKTrainingSAE(
+            sl.BatchTopKTrainingSAEConfig(d_in=d_in, d_sae=d_sae, k=k, device="cpu")
+        )
+    if arch == "matryoshka":
+        widths = [d_sae >> j for j in range(4, -1, -1)]  # assay's default levels
+        cfg = sl.MatryoshkaBatchTopKTrainingSAEConfig(
+            d_in=d_in, d_sae=d_sae, k=k, matryoshka_widths=widths, device="cpu"
+        )
+        return sl.MatryoshkaBatchTopKTrainingSAE(cfg)
+    return sl.TopKTrainingSAE(sl.TopKTrainingSAEConfig(d_in=d_in, d_sae=d_sae, k=k, device="cpu"))
+
+
+def inference_sae(sae: Any) -> Any:
+    """The SAE SAELens saves for inference (BatchTopK kinds: a JumpReLU at the learned
+    threshold), loaded back."""
+    from sae_lens import SAE
+
+    with tempfile.TemporaryDirectory() as folder:
+        sae.save_inference_model(folder)
+        return SAE.load_from_disk(folder, device="cpu")
+
+
 def run_saelens(data: list, held: torch.Tensor, d_sae: int, args: argparse.Namespace, autocast: bool) -> dict:
-    from sae_lens import TopKTrainingSAE, TopKTrainingSAEConfig
     from sae_lens.config import SAETrainerConfig
     from sae_lens.training.sae_trainer import SAETrainer
 
     torch.manual_seed(args.seed)
     d_in = data[0].shape[1]
-    sae = TopKTrainingSAE(TopKTrainingSAEConfig(d_in=d_in, d_sae=d_sae, k=args.k, device="cpu"))
+    sae = saelens_sae(args.architecture, d_in, d_sae, args.k)
     with torch.no_grad():
         sae.b_dec.copy_(data[0].mean(0))
     cfg = SAETrainerConfig(
@@ -63,8 +94,17 @@ def run_saelens(data: list, held: torch.Tensor, d_sae: int, args: argparse.Names
     trainer.fit()
     speed = timer.tokens_per_s(args.batch)
     dead = float((trainer.n_forward_passes_since_fired >= DEAD_WINDOW_STEPS).float().mean())
-    q = quality(lambda x: sae(x), lambda x: sae.encode(x), held)
-    name = "saelens-bf16" if autocast else "saelens"
+    batch_q = {}
+    if args.architecture != "topk":  # also k per token over the held-out batch, as in training
+        trained = sae
+        batch_q = {f"batch_{m}": v for m, v in quality(trained, trained.encode, held).items()}
+        sae = inference_sae(sae)
+    q = {**quality(lambda x: sae(x), lambda x: sae.encode(x), held), **batch_q}
+    name = (
+        "saelens"
+        + ("" if args.architecture == "topk" else f"-{args.architecture}")
+        + ("-bf16" if autocast else "")
+    )
     return record(name, "bf16" if autocast else "fp32", d_in, d_sae, args, speed, q, dead)
 
 
@@ -129,6 +169,9 @@ def main() -> None:
     p.add_argument(
         "--peers", nargs="+", default=["saelens", "saelens-bf16", "sparsify-signum", "sparsify-adam"]
     )
+    p.add_argument(
+        "--architecture", default="topk", choices=["topk", "batchtopk", "matryoshka"], help="SAELens only"
+    )
     p.add_argument("--k", type=int, default=32)
     p.add_argument("--batch", type=int, default=4096)
     p.add_argument("--steps", type=int, default=100)
@@ -138,6 +181,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0, help="batch order and initialisation")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
+    if args.architecture != "topk" and any(not peer.startswith("saelens") for peer in args.peers):
+        p.error("sparsify trains TopK only: with --architecture, use --peers saelens [saelens-bf16]")
     train, held = load_split(args.acts / "train"), load_split(args.acts / "eval")
     scale = scale_of(train)
     data = batches(train, scale, args.batch, args.steps, args.seed)
@@ -149,7 +194,7 @@ def main() -> None:
                 rec = run_saelens(data, held_out, d_sae, args, autocast=peer.endswith("bf16"))
             else:
                 rec = run_sparsify(data, held_out, d_sae, args, optimizer=peer.split("-")[1])
-            rec["seed"] = args.seed
+            rec["seed"], rec["arch"] = args.seed, args.architecture
             print(json.dumps(rec), flush=True)
             if args.out:
                 with open(args.out, "a") as f:

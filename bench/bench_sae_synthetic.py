@@ -139,7 +139,7 @@ def run_assay(args: argparse.Namespace) -> None:
     from assay.sae.model import SparseAutoencoder
     from assay.sae.optim import averaged, default_learning_rate, make_optimizer
     from assay.sae.saelens_format import save_sae
-    from assay.sae.train import lr_at, train_step
+    from assay.sae.train import calibrate_threshold, lr_at, train_step
 
     data, scale, steps = protocol(args)
     d_in, k = data[0].shape[1], true_k(args.data)
@@ -174,6 +174,7 @@ def run_assay(args: argparse.Namespace) -> None:
             speed = timer.tokens_per_s(args.batch)
             name = f"assay-{arch}-{precision}"
             with averaged(opt):  # signum: the averaged point, as assay saves it
+                calibrate_threshold(sae, data[-1])  # BatchTopK kinds: the threshold assay saves
                 sae.act_scale.fill_(scale)  # the batches were scaled: save for raw activations
                 save_sae(args.data / "saes" / name, sae, {"hook_name": "synthetic"})
             rec = {"name": name, "library": "assay", "arch": arch, "precision": precision, "lr": lr}

@@ -6,7 +6,9 @@ decode, losses) runs under autocast; backward, gradient clipping and the optimiz
 outside it; parameters and optimizer state (Adam's moments, signum's z and x) are fp32; the
 BatchTopK threshold EMA, decoder renormalisation, dead-latent counters and metrics are updated
 with autocast off, in fp32. With signum the parameters hold the gradient point y while
-training; evaluations and the saved SAE use the average x.
+training; evaluations and the saved SAE use the average x. A BatchTopK kind's threshold is
+set for each evaluation, and for the trained SAE, from a batch at the evaluated weights
+(`calibrate_threshold`).
 
 A transcoder trains the same way on rows [input | target]: the input is encoded, the target
 reconstructed, each normalised by its own scale.
@@ -16,7 +18,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -121,6 +124,30 @@ def _global_min(dist: Distributed, value: torch.Tensor | None) -> torch.Tensor |
     return None if math.isinf(float(t)) else t
 
 
+def calibrate_threshold(sae: SparseAutoencoder, x: torch.Tensor) -> None:
+    """BatchTopK kinds: the inference threshold set to the smallest activation the training rule
+    keeps on batch x (normalised) at the SAE's current weights, the ranks' minimum, in place of
+    the lagging EMA; so the saved JumpReLU fires as the evaluated SAE selects. Other
+    architectures: nothing. Every rank calls it (one collective)."""
+    if not sae.rule.tracks_min_kept:
+        return
+    with full_precision(x.device):
+        value = _global_min(Distributed.current(), sae.rule.kept_minimum(sae, x))
+    if value is not None:
+        sae.threshold_buf.fill_(float(value))
+
+
+@contextmanager
+def threshold_from(sae: SparseAutoencoder, x: torch.Tensor) -> Iterator[None]:
+    """`calibrate_threshold` inside the block (a mid-run evaluation); the EMA back after it."""
+    ema = sae.threshold_buf.clone()
+    calibrate_threshold(sae, x)
+    try:
+        yield
+    finally:
+        sae.threshold_buf.copy_(ema)
+
+
 def step_record(out: TrainOutput, x: torch.Tensor, state: TrainState, dead: DeadLatents, extra: dict) -> dict:
     """One metrics.jsonl line (fp32/fp64, autocast off); x is the batch's target."""
     with full_precision(x.device):
@@ -196,6 +223,8 @@ class Trainee:
     state: TrainState = field(default_factory=TrainState)
     base_lr: float = 0.0
     last: dict[str, Any] | None = None
+    final_batch: torch.Tensor | None = None
+    """The last batch (normalised input), kept to calibrate a BatchTopK threshold at the end."""
     density: torch.Tensor | None = None
     density_tokens: int = 0
 
@@ -230,6 +259,8 @@ class Trainee:
             sae, self.opt, x, self.dead, policy, lr, coef, cfg.grad_clip, state.step == 0, target
         )
         state.step, state.tokens = state.step + 1, state.tokens + len(x) * dist.world_size
+        if state.step == total and sae.rule.tracks_min_kept:
+            self.final_batch = x
         if state.step > total - max(1, total // 10):  # densities over the last 10% of steps
             assert self.density is not None
             self.density += out.counts.double().cpu()  # global counts (reduced in train_step)
@@ -244,7 +275,7 @@ class Trainee:
             and state.step % cfg.eval_every == 0
             and state.step < total
         ):
-            with averaged(self.opt):  # signum: evaluated at the averaged point
+            with averaged(self.opt), threshold_from(sae, x):  # signum: at the averaged point
                 self.log.log({"step": state.step, "tokens": state.tokens, **_prefixed(self.evaluate(sae))})
         if cfg.checkpoint_every > 0 and state.step % cfg.checkpoint_every == 0 and state.step < total:
             dist.barrier()  # no rank runs ahead of a checkpoint it could be resumed from
@@ -253,9 +284,12 @@ class Trainee:
         return len(x)
 
     def finish(self, rate: float) -> dict[str, Any]:
-        """The trained SAE's final evaluation and log densities (signum: at the averaged point)."""
+        """The trained SAE's final evaluation and log densities (signum: at the averaged point;
+        BatchTopK kinds: with the threshold calibrated on the last batch there)."""
         if isinstance(self.opt, ScheduleFreeSignSGD):
             self.opt.eval()  # the trained SAE is the averaged point x: evaluated and saved from here on
+        if self.final_batch is not None:
+            calibrate_threshold(self.sae, self.final_batch)
         final = _prefixed(self.evaluate(self.sae)) if self.evaluate is not None else {}
         if final:
             self.log.log({"step": self.state.step, "tokens": self.state.tokens, **final})

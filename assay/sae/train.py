@@ -25,6 +25,7 @@ from assay.sae.config import SaeTrainConfig
 from assay.sae.evaluate import splice_metrics
 from assay.sae.loop import (  # noqa: F401  (re-exported: the loop's public names)
     Trainee,
+    calibrate_threshold,
     fit,
     fit_all,
     init_from_data,

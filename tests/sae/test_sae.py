@@ -15,6 +15,7 @@ from assay.core.precision import PrecisionPolicy
 from assay.core.runs import config_from_dict, config_to_dict
 from assay.sae.config import SaeArchConfig, SaeTrainConfig
 from assay.sae.kernels import JumpReLUFn, ReLUL1Fn, column_totals, firing_counts
+from assay.sae.loop import calibrate_threshold, threshold_from
 from assay.sae.metrics import DeadLatents, ReconstructionStats, fvu
 from assay.sae.model import THRESHOLD_BETA, SparseAutoencoder, select_active
 from assay.sae.saelens_format import load_sae, save_sae
@@ -67,6 +68,24 @@ def test_batchtopk_keeps_k_per_token_on_average_and_its_threshold_reproduces_the
     assert torch.equal((z > 0).nonzero().T, torch.stack([rows, cols]))
     sae.update_threshold(torch.tensor(0.0), first=False)  # EMA step
     assert float(sae.threshold_buf[0]) == pytest.approx(THRESHOLD_BETA * float(out.min_kept))
+
+
+@pytest.mark.parametrize("arch", ["batchtopk", "matryoshka", "topk"])
+def test_threshold_calibration_takes_the_batch_minimum_and_an_evaluation_restores_the_ema(arch: str) -> None:
+    sae = make_sae(arch, k=4)
+    x = torch.randn(32, 16)
+    sae.threshold_buf.fill_(5.0)  # the EMA, as training left it
+    with threshold_from(sae, x):
+        inside = sae.threshold_buf.clone()
+    assert torch.all(sae.threshold_buf == 5.0)  # back to the EMA after an evaluation
+    calibrate_threshold(sae, x)
+    assert torch.equal(sae.threshold_buf, inside)
+    if arch == "topk":  # no threshold of its own: left alone
+        assert torch.all(inside == 5.0)
+        return
+    pre = sae.pre_acts(x).detach()
+    kept = pre.flatten().topk(4 * 32).values  # independent reference: the k*N largest over the batch
+    assert torch.all(inside == kept.min())
 
 
 @pytest.mark.parametrize("arch", ["topk", "batchtopk"])

@@ -346,3 +346,37 @@ def test_resume_refuses_changed_data(tiny_model_dir, tmp_path, monkeypatch) -> N
     data.write_text(data.read_text().replace("the", "a"))  # same file, other texts
     with pytest.raises(AssayError, match="dataset"):
         train_mod.train_sae(cfg)
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "signum"])
+def test_batchtopk_saves_the_threshold_of_its_final_weights(
+    tiny_model_dir, corpus, tmp_path, monkeypatch, optimizer
+) -> None:  # type: ignore[no-untyped-def]
+    """The trained BatchTopK's JumpReLU threshold is the smallest activation BatchTopK keeps on the
+    last batch at the saved weights (signum: the averaged point), so that batch fires N * k latents
+    as trained; the threshold EMA of training, which lags the weights, would not."""
+    real_step, calls = loop_mod.train_step, []
+
+    def recording_step(sae, opt, x, *args, **kwargs):  # type: ignore[no-untyped-def]
+        out = real_step(sae, opt, x, *args, **kwargs)
+        calls.append((sae, x, float(out.min_kept)))
+        return out
+
+    monkeypatch.setattr(loop_mod, "train_step", recording_step)
+    train_mod.train_sae(
+        _cfg(tiny_model_dir, corpus, tmp_path / "sae", architecture="batchtopk", optimizer=optimizer)
+    )
+    sae, x, _ = calls[-1]
+    ema = calls[0][2]
+    for _, _, kept in calls[1:]:
+        ema = 0.99 * ema + 0.01 * kept
+    with torch.no_grad():
+        pre = sae.pre_acts(x)
+    target = len(x) * sae.arch.k
+    fired = int((pre > sae.threshold_buf).sum())
+    assert target - 2 <= fired <= target, (fired, target)  # the minimum itself is not above it
+    assert abs(int((pre > ema).sum()) - target) > 2  # the EMA would fail the line above
+    saved = load_file(str(tmp_path / "sae" / "sae_weights.safetensors"))["threshold"]
+    torch.testing.assert_close(
+        saved, sae.threshold_buf
+    )  # the folded scale leaves pre-activations as they are

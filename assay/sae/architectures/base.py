@@ -164,6 +164,11 @@ class Architecture:
     def after_step(self, sae: SparseAutoencoder, min_kept: Tensor | None, first: bool) -> None:
         """Updates outside the optimizer after each step (fp32, autocast off); none by default."""
 
+    def kept_minimum(self, sae: SparseAutoencoder, x: Tensor) -> Tensor | None:
+        """`tracks_min_kept`: the smallest activation the training rule keeps on batch x at the
+        SAE's current weights (no gradient); None where it keeps none or has no threshold."""
+        return None
+
     # ---- format --------------------------------------------------------------------
     def save_fields(self) -> dict[str, Any]:
         """Architecture fields of the saved cfg.json (besides `architecture`)."""

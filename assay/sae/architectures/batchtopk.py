@@ -1,9 +1,14 @@
 """BatchTopK (Bussmann et al. 2024): the k*N largest positive pre-activations over a batch of
 N tokens, so k per token on average.
 
-Trains as TopK does (FVU + AuxK, sparse kernels). Its inference threshold is an EMA (beta
-THRESHOLD_BETA, fp32, autocast off) of the smallest kept activation; at inference and at save
-the SAE is a JumpReLU with that threshold (SAELens saves BatchTopK the same way).
+Trains as TopK does (FVU + AuxK, sparse kernels). At inference and at save the SAE is a
+JumpReLU with one threshold (SAELens saves BatchTopK the same way): while training, an EMA (beta
+THRESHOLD_BETA, fp32, autocast off) of the smallest kept activation; for evaluations and the
+trained SAE, that smallest activation on a batch at the evaluated weights
+(`assay.sae.loop.calibrate_threshold`). The EMA lags the weights: it starts at the first batch's
+value, which still carries 0.99^100 = 37% of its weight after 100 steps, while the kept
+activations fall as the SAE trains (0.65 against 0.44 after 100 steps on assay-tiny, so L0 22
+for k = 32; docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -52,6 +57,12 @@ class BatchTopK(TopK):
             sae.threshold_buf.fill_(value)
         else:
             sae.threshold_buf.mul_(THRESHOLD_BETA).add_((1 - THRESHOLD_BETA) * value)
+
+    @torch.no_grad()
+    def kept_minimum(self, sae: SparseAutoencoder, x: Tensor) -> Tensor | None:
+        pre = sae.pre_acts(x).float()
+        rows, cols = self.select(pre)
+        return pre[rows, cols].min() if len(rows) else None
 
     def save_fields(self) -> dict:
         return {}
