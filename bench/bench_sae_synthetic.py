@@ -134,7 +134,7 @@ def save_line(args: argparse.Namespace, rec: dict[str, Any]) -> None:
 def run_assay(args: argparse.Namespace) -> None:
     from assay.core.memory import reuse_freed_memory
     from assay.core.precision import PrecisionPolicy
-    from assay.sae.config import SaeArchConfig
+    from assay.sae.config import SaeArchConfig, default_aux_window
     from assay.sae.metrics import DeadLatents
     from assay.sae.model import SparseAutoencoder
     from assay.sae.optim import averaged, default_learning_rate, make_optimizer
@@ -165,7 +165,9 @@ def run_assay(args: argparse.Namespace) -> None:
             warmup, decay = (0, 0.0) if kind == "signum" else (WARMUP, DECAY)
             opt = make_optimizer(sae, lr, kind)
             policy = PrecisionPolicy.resolve(precision)
-            dead = DeadLatents(args.d_sae, window=DEAD_WINDOW_STEPS * args.batch)
+            window = DEAD_WINDOW_STEPS * args.batch
+            aux_window = default_aux_window(arch, kind, args.batch, window)  # assay's AuxK default
+            dead = DeadLatents(args.d_sae, window=window, aux_window=aux_window)
             timer, warm = Timer(), max(1, int(0.05 * steps))
             for i, x in enumerate(data):
                 timer.step(i)
@@ -178,7 +180,13 @@ def run_assay(args: argparse.Namespace) -> None:
                 sae.act_scale.fill_(scale)  # the batches were scaled: save for raw activations
                 save_sae(args.data / "saes" / name, sae, {"hook_name": "synthetic"})
             rec = {"name": name, "library": "assay", "arch": arch, "precision": precision, "lr": lr}
-            save_line(args, {**rec, "optimizer": kind, "tokens_per_s": speed, "train_dead": dead.fraction()})
+            extra = {
+                "optimizer": kind,
+                "aux_window": aux_window,
+                "tokens_per_s": speed,
+                "train_dead": dead.fraction(),
+            }
+            save_line(args, {**rec, **extra})
 
 
 # ---- the dense floor --------------------------------------------------------------------------

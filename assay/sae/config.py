@@ -181,9 +181,9 @@ class SaeTrainConfig:
     """A latent is dead when it has not fired for this many tokens (the reported fraction)."""
     aux_window_tokens: int | None = None
     """The AuxK loss trains latents that have not fired for this many tokens (topk-type).
-    Default: 16,384 for topk with signum and batches of >= 4,096 tokens (fewer dead latents and
-    a better FVU there), --dead_window_tokens otherwise (a short window killed latents with
-    batchtopk, smaller batches and Adam; docs/BENCHMARKS.md)."""
+    Default: 16,384 with signum and batches of >= 4,096 tokens (fewer dead latents and a better
+    FVU there from 100 steps on), --dead_window_tokens otherwise (a short window killed latents
+    with smaller batches and Adam; docs/BENCHMARKS.md)."""
     metrics_every: int = 20
     """Steps between lines of metrics.jsonl."""
     eval_every: int = 0
@@ -281,7 +281,7 @@ SHORT_AUX_MIN_BATCH = 4096
 
 def default_aux_window(architecture: str, optimizer: str, batch_tokens: int, dead_window: int) -> int:
     """AuxK's default window in tokens: the architecture's short window under signum with batches
-    of >= SHORT_AUX_MIN_BATCH tokens (topk: 16,384), else the dead-latent window (measured:
+    of >= SHORT_AUX_MIN_BATCH tokens (the TopK kinds: 16,384), else the dead-latent window (measured:
     docs/BENCHMARKS.md)."""
     short = architecture_class(architecture).aux_window_default
     if short is not None and optimizer == "signum" and batch_tokens >= SHORT_AUX_MIN_BATCH:

@@ -167,7 +167,7 @@ def test_warmup_stable_decay_schedule() -> None:
     assert [warmup_stable_decay(s, 5, 0, 0.0) for s in range(5)] == [1.0] * 5
 
 
-def test_auxk_window_default_is_short_only_for_topk_with_signum_and_large_batches() -> None:
+def test_auxk_window_default_is_short_only_for_topk_kinds_with_signum_and_large_batches() -> None:
     from assay.sae.config import SaeTrainConfig
 
     def window(arch: str, **kw) -> int:  # type: ignore[no-untyped-def]
@@ -176,6 +176,7 @@ def test_auxk_window_default_is_short_only_for_topk_with_signum_and_large_batche
     assert window("topk") == 16_384  # signum (auto) with 4,096-token batches
     assert window("topk", optimizer="adam") == 1_000_000  # the dead-latent window
     assert window("topk", batch_tokens=1024) == 1_000_000
-    assert window("batchtopk") == window("matryoshka") == 1_000_000
+    assert window("batchtopk") == window("matryoshka") == 16_384
+    assert window("batchtopk", optimizer="adam") == window("relu") == window("jumprelu") == 1_000_000
     assert window("topk", dead_window_tokens=8192) == 8192  # never longer than the dead window
     assert window("batchtopk", aux_window_tokens=4096) == 4096  # asked for
