@@ -124,24 +124,27 @@ def _global_min(dist: Distributed, value: torch.Tensor | None) -> torch.Tensor |
     return None if math.isinf(float(t)) else t
 
 
-def calibrate_threshold(sae: SparseAutoencoder, x: torch.Tensor) -> None:
+def calibrate_threshold(sae: SparseAutoencoder, x: torch.Tensor, every_rank: bool = True) -> None:
     """BatchTopK kinds: the inference threshold set to the smallest activation the training rule
-    keeps on batch x (normalised) at the SAE's current weights, the ranks' minimum, in place of
-    the lagging EMA; so the saved JumpReLU fires as the evaluated SAE selects. Other
-    architectures: nothing. Every rank calls it (one collective)."""
+    keeps on batch x (normalised) at the SAE's current weights, in place of the lagging EMA; so
+    the saved JumpReLU fires as the evaluated SAE selects. Other architectures: nothing.
+    every_rank: every rank calls it and the ranks' minimum is taken (one collective), as the
+    EMA takes it; else this rank's batch alone."""
     if not sae.rule.tracks_min_kept:
         return
     with full_precision(x.device):
-        value = _global_min(Distributed.current(), sae.rule.kept_minimum(sae, x))
+        value = sae.rule.kept_minimum(sae, x)
+        value = _global_min(Distributed.current(), value) if every_rank else value
     if value is not None:
         sae.threshold_buf.fill_(float(value))
 
 
 @contextmanager
 def threshold_from(sae: SparseAutoencoder, x: torch.Tensor) -> Iterator[None]:
-    """`calibrate_threshold` inside the block (a mid-run evaluation); the EMA back after it."""
+    """`calibrate_threshold` inside the block (a mid-run evaluation); the EMA back after it.
+    On this rank's batch alone: evaluations run on the main rank only."""
     ema = sae.threshold_buf.clone()
-    calibrate_threshold(sae, x)
+    calibrate_threshold(sae, x, every_rank=False)
     try:
         yield
     finally:

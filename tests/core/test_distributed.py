@@ -138,7 +138,8 @@ def test_finetune_two_processes_follow_the_one_process_loss_curve(tmp_path, fine
 # ---- sae train -------------------------------------------------------------------------------
 def test_sae_steps_on_two_ranks_equal_one_process_on_the_global_batch(tmp_path, tiny_model_dir, many_jsonl):
     """Three TopK steps: 2 ranks x 32 rows == 1 process x 64 rows (weights, Adam, dead counters);
-    then a whole `assay sae train` under the same torchrun (run folder written by rank 0)."""
+    then a whole `assay sae train` (BatchTopK, evaluated mid-run) under the same torchrun (run
+    folder written by rank 0)."""
     ok(torchrun(__file__, "sae", str(tmp_path), str(tiny_model_dir), str(many_jsonl)))
     for rank in (0, 1):
         got = json.loads((tmp_path / f"sae-step-{rank}.json").read_text())
@@ -227,7 +228,19 @@ def _worker_sae(folder: str, model_dir: str, data: str) -> int:
     (Path(folder) / f"sae-step-{dist.rank}.json").write_text(json.dumps(result))
     args = ["sae", "train", str(Path(folder) / "sae"), "--model", model_dir, "--dataset", data]
     args += ["--hookpoint", "model.layers.0", "--training_tokens", "256", "--batch_tokens", "64"]
-    args += ["--context_length", "16", "--buffer_batches", "2", "--eval_contexts", "0", "--precision", "fp32"]
+    args += ["--context_length", "16", "--buffer_batches", "2", "--precision", "fp32"]
+    # BatchTopK with a mid-run evaluation: its threshold is calibrated on rank 0 alone mid-run
+    # (evaluations run there only) and over every rank at the end
+    args += [
+        "--architecture",
+        "batchtopk",
+        "--eval_contexts",
+        "2",
+        "--eval_every",
+        "2",
+        "--browser_latents",
+        "0",
+    ]
     return main([*args, "--d_sae", "64", "--k", "4", "--checkpoint_every", "2"])
 
 
