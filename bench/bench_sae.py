@@ -126,8 +126,11 @@ def run_ours(
         train_step(sae, opt, x, dead, policy, step_lr, 0.0, 1.0, first=i == 0)
     speed = timer.tokens_per_s(args.batch)
     with averaged(opt):  # signum: the averaged point x
-        calibrate_threshold(sae, data[-1])  # BatchTopK kinds: the threshold assay saves
+        ema = float(sae.threshold_buf[0])  # BatchTopK kinds: training's EMA of the kept minimum
+        calibrate_threshold(sae, data[-1])  # the threshold assay saves
         q = quality(sae.forward, sae.encode, held_out)
+    if sae.rule.tracks_min_kept:
+        q = {**q, "threshold_ema": ema, "threshold": float(sae.threshold_buf[0])}
     name = "assay" if args.architecture == "topk" else f"assay-{args.architecture}"
     rec = record(name, precision, d_in, d_sae, args, speed, q, dead.fraction())
     init_name = ("unit-nofit" if args.no_fit else "unit") if arch.unit_decoder else "small"

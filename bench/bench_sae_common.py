@@ -26,6 +26,25 @@ WARMUP = 5
 DEAD_WINDOW_STEPS = 25
 
 
+def matryoshka_widths(d_sae: int) -> list[int]:
+    """Matryoshka levels for both libraries (assay's default): d_sae / 16, / 8, / 4, / 2, d_sae."""
+    return [d_sae >> j for j in range(4, -1, -1)]
+
+
+def saelens_topk_kind(arch: str, d_in: int, d_sae: int, k: int) -> Any:
+    """SAELens's training SAE of a TopK kind (topk, batchtopk, matryoshka) at its recommended
+    settings (peers' environment)."""
+    import sae_lens as sl
+
+    if arch == "batchtopk":
+        return sl.BatchTopKTrainingSAE(sl.BatchTopKTrainingSAEConfig(d_in=d_in, d_sae=d_sae, k=k))
+    if arch == "matryoshka":
+        widths = matryoshka_widths(d_sae)
+        cfg = sl.MatryoshkaBatchTopKTrainingSAEConfig(d_in=d_in, d_sae=d_sae, k=k, matryoshka_widths=widths)
+        return sl.MatryoshkaBatchTopKTrainingSAE(cfg)
+    return sl.TopKTrainingSAE(sl.TopKTrainingSAEConfig(d_in=d_in, d_sae=d_sae, k=k))
+
+
 def load_split(folder: Path) -> np.ndarray:
     meta = json.loads((folder / "meta.json").read_text())
     arr = np.load(folder / "activations.npy", mmap_mode="r", allow_pickle=False)

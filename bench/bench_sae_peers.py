@@ -27,29 +27,21 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_sae_common import DEAD_WINDOW_STEPS, Timer, batches, load_split, quality, record, scale_of  # noqa: E402
+from bench_sae_common import (  # noqa: E402
+    DEAD_WINDOW_STEPS,
+    Timer,
+    batches,
+    load_split,
+    quality,
+    record,
+    saelens_topk_kind,
+    scale_of,
+)
 
 
 def default_lr(d_sae: int) -> float:
     """assay's TopK default (assay.sae.train.default_learning_rate), so Adam runs share the lr."""
     return 3.2e-3 / math.sqrt(d_sae / 2**14)
-
-
-def saelens_sae(arch: str, d_in: int, d_sae: int, k: int) -> Any:
-    """SAELens's training SAE of the architecture, at its recommended settings."""
-    import sae_lens as sl
-
-    if arch == "batchtopk":
-        return sl.BatchTopKTrainingSAE(
-            sl.BatchTopKTrainingSAEConfig(d_in=d_in, d_sae=d_sae, k=k, device="cpu")
-        )
-    if arch == "matryoshka":
-        widths = [d_sae >> j for j in range(4, -1, -1)]  # assay's default levels
-        cfg = sl.MatryoshkaBatchTopKTrainingSAEConfig(
-            d_in=d_in, d_sae=d_sae, k=k, matryoshka_widths=widths, device="cpu"
-        )
-        return sl.MatryoshkaBatchTopKTrainingSAE(cfg)
-    return sl.TopKTrainingSAE(sl.TopKTrainingSAEConfig(d_in=d_in, d_sae=d_sae, k=k, device="cpu"))
 
 
 def inference_sae(sae: Any) -> Any:
@@ -68,7 +60,7 @@ def run_saelens(data: list, held: torch.Tensor, d_sae: int, args: argparse.Names
 
     torch.manual_seed(args.seed)
     d_in = data[0].shape[1]
-    sae = saelens_sae(args.architecture, d_in, d_sae, args.k)
+    sae = saelens_topk_kind(args.architecture, d_in, d_sae, args.k)
     with torch.no_grad():
         sae.b_dec.copy_(data[0].mean(0))
     cfg = SAETrainerConfig(
@@ -96,8 +88,7 @@ def run_saelens(data: list, held: torch.Tensor, d_sae: int, args: argparse.Names
     dead = float((trainer.n_forward_passes_since_fired >= DEAD_WINDOW_STEPS).float().mean())
     batch_q = {}
     if args.architecture != "topk":  # also k per token over the held-out batch, as in training
-        trained = sae
-        batch_q = {f"batch_{m}": v for m, v in quality(trained, trained.encode, held).items()}
+        batch_q = {f"batch_{m}": v for m, v in quality(sae, sae.encode, held).items()}
         sae = inference_sae(sae)
     q = {**quality(lambda x: sae(x), lambda x: sae.encode(x), held), **batch_q}
     name = (

@@ -40,7 +40,16 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_sae_common import DEAD_WINDOW_STEPS, Timer, batches, load_split, machine, scale_of  # noqa: E402
+from bench_sae_common import (  # noqa: E402
+    DEAD_WINDOW_STEPS,
+    Timer,
+    batches,
+    load_split,
+    machine,
+    matryoshka_widths,
+    saelens_topk_kind,
+    scale_of,
+)
 
 ARCHS = ("topk", "batchtopk", "matryoshka", "jumprelu", "relu")
 WARMUP, DECAY = 10, 0.2  # Adam's schedule for both libraries (assay's signum: none)
@@ -111,11 +120,6 @@ def true_k(data: Path) -> int:
     return max(1, round(json.loads((data / "train" / "meta.json").read_text())["true_l0"]))
 
 
-def widths(d_sae: int) -> list[int]:
-    """Matryoshka levels for both libraries: d_sae / 16, / 8, / 4, / 2, d_sae."""
-    return [d_sae >> j for j in range(4, -1, -1)]
-
-
 def protocol(args: argparse.Namespace) -> tuple[list[torch.Tensor], float, int]:
     train = load_split(args.data / "train")
     scale = scale_of(train)
@@ -150,7 +154,7 @@ def run_assay(args: argparse.Namespace) -> None:
             rate = args.jumprelu_threshold_lr
             own = {} if rate is None else {"jumprelu_threshold_lr": rate}  # None: assay's default
             cfg = SaeArchConfig(
-                architecture=arch, k=k, matryoshka_widths=widths(args.d_sae),
+                architecture=arch, k=k, matryoshka_widths=matryoshka_widths(args.d_sae),
                 l1_coefficient=args.l1_coefficient, l0_coefficient=args.l0_coefficient,
                 jumprelu_init_threshold=args.jumprelu_init_threshold,
                 **own,
@@ -224,15 +228,8 @@ def saelens_sae(
     import sae_lens as sl
 
     warm = max(1, int(0.05 * steps))
-    if arch == "topk":
-        return sl.TopKTrainingSAE(sl.TopKTrainingSAEConfig(d_in=d_in, d_sae=d_sae, k=k))
-    if arch == "batchtopk":
-        return sl.BatchTopKTrainingSAE(sl.BatchTopKTrainingSAEConfig(d_in=d_in, d_sae=d_sae, k=k))
-    if arch == "matryoshka":
-        cfg = sl.MatryoshkaBatchTopKTrainingSAEConfig(
-            d_in=d_in, d_sae=d_sae, k=k, matryoshka_widths=widths(d_sae)
-        )
-        return sl.MatryoshkaBatchTopKTrainingSAE(cfg)
+    if arch in ("topk", "batchtopk", "matryoshka"):
+        return saelens_topk_kind(arch, d_in, d_sae, k)
     if arch == "jumprelu":
         cfg_j = sl.JumpReLUTrainingSAEConfig(
             d_in=d_in, d_sae=d_sae, l0_coefficient=coefs["jumprelu"], l0_warm_up_steps=warm,
