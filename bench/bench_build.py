@@ -115,6 +115,9 @@ class LoopOptions:
     """Also time the collector given the padding mask (what it ran before assay.lm.padding)."""
     padded_collector: bool = False
     """Also time the collector on right-padded batches (what it ran before assay.lm.packing)."""
+    compiled_collector: bool = False
+    """Also time the collector with its elementwise steps compiled (`assay build --compile`); the
+    warm-up round takes the compilation."""
     statistic: str = "median"
     """median, or min (on a loaded machine the least disturbed round)."""
 
@@ -152,6 +155,8 @@ def loop_benchmark(model_name: str, data: Path, opt: LoopOptions) -> dict:
         passes["masked"] = partial(collect, "masked", replace(setup, packed=False), True)
     if opt.padded_collector:
         passes["padded"] = partial(collect, "padded", replace(setup, packed=False))
+    if opt.compiled_collector:
+        passes["compiled"] = partial(collect, "compiled", replace(setup, compiled=True))
     bf16_inputs = policy.compute_dtype == torch.bfloat16  # the only inputs the default projects as they are
     if opt.fp32_projection and bf16_inputs:
         passes["fp32_projection"] = partial(collect, "fp32_projection", Fp32ProjectionSetup(**vars(setup)))
@@ -163,7 +168,7 @@ def loop_benchmark(model_name: str, data: Path, opt: LoopOptions) -> dict:
     if "fp32_projection" in times:
         extra["fp32_projection_tok_s"] = tok_s["fp32_projection"]
         extra["min_cosine_to_fp32_projection"] = float(cosines(rows["ours"], rows["fp32_projection"]).min())
-    for variant in ("masked", "padded"):
+    for variant in ("masked", "padded", "compiled"):
         if variant in times:
             extra[f"{variant}_collector_tok_s"] = tok_s[variant]
             extra[f"{variant}_max_rel_diff"] = float(
@@ -209,10 +214,10 @@ def summary_line(loop: dict) -> str:
         f"assay build loop {loop['ours_tok_s']:,.0f} tok/s "
         f"= {loop['ours_over_floor_time']:.2f}x the floor's time; "
         f"padded/real tokens {loop['padded_tokens'] / loop['tokens']:.3f}"
-        + (
-            f"; on padded batches {loop['padded_collector_tok_s']:,.0f} tok/s"
-            if "padded_collector_tok_s" in loop
-            else ""
+        + "".join(
+            f"; {label} {loop[f'{key}_collector_tok_s']:,.0f} tok/s"
+            for key, label in (("padded", "on padded batches"), ("compiled", "compiled"))
+            if f"{key}_collector_tok_s" in loop
         )
     )
 
@@ -249,7 +254,7 @@ def process_benchmark(args, data: Path, precision: str, work: Path) -> dict:
     ]
     ours_cmd += ["--dataset", str(data), "--precision", precision, "--projection_dim", str(args.p)]
     ours_cmd += ["--token_batch_size", str(args.token_batch_size), "--overwrite", "--threads", "0"]
-    ours_cmd += ["--device", args.device]
+    ours_cmd += ["--device", args.device, *(["--compile"] if args.ours_compile else [])]
     peer_cmd = [
         args.peer_python,
         "-m",
@@ -324,6 +329,12 @@ def parser() -> argparse.ArgumentParser:
         help="also time the collector on right-padded batches (as before assay.lm.packing)",
     )
     ap.add_argument(
+        "--compiled_collector",
+        action="store_true",
+        help="also time the collector with its elementwise steps compiled (assay build --compile)",
+    )
+    ap.add_argument("--ours_compile", action="store_true", help="whole processes run `assay build --compile`")
+    ap.add_argument(
         "--statistic",
         choices=["median", "min"],
         default="median",
@@ -357,6 +368,7 @@ def main() -> None:
                     device=args.device,
                     masked_collector=args.masked_collector,
                     padded_collector=args.padded_collector,
+                    compiled_collector=args.compiled_collector,
                     statistic=args.statistic,
                 )
                 loop = loop_benchmark(args.model, data, opt)

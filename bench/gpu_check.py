@@ -6,7 +6,8 @@ Steps, on random Llamas (bench/random_model.py; the weights do not matter for sp
 bundled ABC tunes:
   build-smol   bench/bench_build.py on SmolLM2-135M's shape: every floor (eager, SDPA masked,
                SDPA causal, packed, flash-attn varlen where installed) against `assay build`'s
-               loop, fp32 and bf16, and one whole `assay build --device cuda` per precision
+               loop, eager and with --compile's fused elementwise kernels, fp32 and bf16, and one
+               whole `assay build --device cuda` per precision
   build-1b     the same on Llama-3.2-1B's shape, bf16 only
   index        `assay build` of all tunes (bf16, fp16 rows, TrackStar statistics) for scoring
   score-*      `assay score --device cuda` of 16 held-out tunes, trackstar and inner
@@ -138,9 +139,10 @@ def steps(sizes: Sizes, device: str, out: Path, work: Path) -> list[tuple[str, l
                 "--precisions",
                 "fp32",
                 "bf16",
+                "--compiled_collector",
             ]
             + ["--out", str(out / "build_smol.json")],
-            240,
+            300,
         )
     )
     index = work / "run-index"

@@ -155,8 +155,9 @@ def appended_config(cfg: BuildConfig, meta: dict[str, Any], out: Path) -> BuildC
     data = dataclasses.replace(cfg.data, max_length=saved.data.max_length)
     batch = cfg.token_batch_size if given["token_batch_size"] != default["token_batch_size"] else None
     return dataclasses.replace(
-        saved, out=cfg.out, model=model, data=data, runtime=runtime, fsdp=cfg.fsdp, overwrite=False,
-        append=True, id_offset=cfg.id_offset, token_batch_size=batch or saved.token_batch_size,
+        saved, out=cfg.out, model=model, data=data, runtime=runtime, fsdp=cfg.fsdp, compile=cfg.compile,
+        overwrite=False, append=True, id_offset=cfg.id_offset,
+        token_batch_size=batch or saved.token_batch_size,
     )  # fmt: skip
 
 
@@ -204,8 +205,9 @@ def _setup(cfg: BuildConfig, index: ix.GradientIndex, run: RunFolder) -> tuple[G
     normalizer = Normalizer(meta["normalizer"], tensors) if tensors else None
     projector = Projector(meta["projection_dim"], meta["projection_seed"])
     setup = GradientSetup(
-        model, tokenizer, policy, modules, projector, normalizer, tokenizer.pad_token_id, fingerprint
-    )
+        model, tokenizer, policy, modules, projector, normalizer, tokenizer.pad_token_id, fingerprint,
+        compiled=cfg.compile,
+    )  # fmt: skip
     keep_compute_casts(model, policy)  # from here on the model only collects gradients
     return setup, examples
 

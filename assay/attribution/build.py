@@ -108,6 +108,10 @@ class BuildConfig:
     --mode influence` (docs/attribution.md). Needs --normalizer none."""
     stats_samples: int = 10000
     """Examples (a seeded sample of the index) the preconditioner statistics sum over."""
+    compile: bool = False
+    """torch.compile the collector's elementwise steps (SwiGLU gates and RMSNorms, forward and
+    backward) into fused kernels. The same rows up to rounding; compiling takes seconds up front,
+    so it pays on long runs (docs/BENCHMARKS.md). On CPU it needs a C++ compiler."""
     fsdp: bool = False
     """Under torchrun: shard the model's weights over the processes (FSDP2, one unit per decoder
     block) for models that do not fit on one device. Same index; see docs/distributed.md."""
@@ -164,9 +168,13 @@ class GradientSetup:
     packed: bool = True
     """Run the language-model loss on packed, padding-free batches where the model allows
     (`assay.lm.packing`); False keeps right-padded batches (the same rows up to rounding)."""
+    compiled: bool = False
+    """Run the collector's elementwise steps as compiled kernels (--compile)."""
 
     def collector(self) -> GradientCollector:
-        return GradientCollector(self.model, self.modules, self.projector, self.policy, self.normalizer)
+        return GradientCollector(
+            self.model, self.modules, self.projector, self.policy, self.normalizer, compiled=self.compiled
+        )
 
 
 def iter_gradients(
@@ -265,8 +273,9 @@ def build_index(cfg: BuildConfig) -> dict[str, Any]:
             fit_curvature(cfg, run.path, model, modules, examples, policy, tokenizer.pad_token_id)
         projector = Projector(cfg.projection_dim, cfg.projection_seed)
         setup = GradientSetup(
-            model, tokenizer, policy, modules, projector, normalizer, tokenizer.pad_token_id, fingerprint
-        )
+            model, tokenizer, policy, modules, projector, normalizer, tokenizer.pad_token_id, fingerprint,
+            compiled=cfg.compile,
+        )  # fmt: skip
         col = setup.collector()
         meta = index_metadata(cfg, setup, col, len(examples), tokenizer)
         keep_compute_casts(model, policy)  # from here on the model only collects gradients

@@ -104,6 +104,7 @@ class GradientCollector:
         policy: PrecisionPolicy,
         normalizer: Any = None,
         project_in_compute_dtype: bool = True,
+        compiled: bool = False,
     ):
         self.model, self.modules, self.projector, self.policy = model, modules, projector, policy
         # True (default): a bf16 a or g is projected as it is, by a bf16 GEMM against the exact
@@ -114,6 +115,7 @@ class GradientCollector:
         # cast to fp32, then project. See docs/index-format.md for what each costs.
         adafactor = normalizer is not None and normalizer.kind == "adafactor"
         self._bf16_projection = project_in_compute_dtype and not adafactor
+        self._compiled = compiled  # the elementwise steps as compiled kernels (assay.lm.elementwise)
         self.normalizer = normalizer
         self.slots = layout(modules, projector.dim)
         self.dim = self.slots[-1].stop
@@ -136,7 +138,7 @@ class GradientCollector:
         for p in self.model.parameters():
             p.requires_grad_(False)  # no weight-gradient GEMMs, no .grad
         self.attach()
-        self._lean.enter_context(recompute_elementwise(self.model))
+        self._lean.enter_context(recompute_elementwise(self.model, self._compiled))
         self._lean.enter_context(grouped_query_attention(self._device))
         return self
 

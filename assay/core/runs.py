@@ -35,11 +35,12 @@ CONFIG_FILE = "config.json"
 DONE_FILE = "run.json"
 INPUTS_FILE = "inputs.json"
 LOCK_FILE = ".lock"
-PERFORMANCE_ONLY: tuple[str, ...] = ("overwrite", "threads")
+PERFORMANCE_ONLY: tuple[str, ...] = ("overwrite", "threads", "compile")
 """Settings a run may resume under changed: --overwrite (what to do with a finished OUT), and
---threads (how many cores torch's kernels use: the same operations on the same data; a kernel
-may split a sum over the cores differently, so the work done after the change can differ from
-an unchanged run at fp32 rounding, exactly as two fresh runs at those thread counts differ)."""
+--threads and --compile (how many cores torch's kernels use, and whether elementwise steps run
+fused: the same operations on the same data; a kernel may split or order a sum differently, so
+the work done after the change can differ from an unchanged run at fp32 rounding, exactly as
+two fresh runs with those settings differ)."""
 BOOKKEEPING = (CONFIG_FILE, INPUTS_FILE, LOCK_FILE)
 """What a `.part` holds before any work is done."""
 

@@ -13,7 +13,8 @@ take memory there that the results never depend on:
   `recompute_elementwise` keeps only their inputs: the same ops on the same inputs, hence the
   same numbers. A silu gate and a frozen Llama-form RMSNorm of an fp32 input get a backward
   written out (`_SiluGate`, `_FrozenRMSNorm`: autograd's own derivative ops, in place where
-  it can be), other forms PyTorch's non-reentrant checkpoint around the elementwise steps.
+  it can be; with `--compile` the same formulas as fused kernels, `assay.lm.elementwise`),
+  other forms PyTorch's non-reentrant checkpoint around the elementwise steps.
   Fewer activation-sized buffers matter on CPU: each is a fresh mapping the kernel zeroes and
   faults in (see `assay.core.memory`).
 - **Repeated keys and values.** With grouped-query attention, transformers copies each key and
@@ -33,11 +34,11 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from assay.core.precision import PrecisionPolicy
+from assay.lm.elementwise import EAGER, Kernels, compiled_kernels
 from assay.lm.hooks import is_linear
 
 SWIGLU_PARTS = ("gate_proj", "up_proj", "down_proj", "act_fn")
@@ -130,16 +131,15 @@ class _SiluGate(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor, kernels: Kernels) -> torch.Tensor:  # type: ignore[override]
         ctx.save_for_backward(gate, up)
-        return F.silu(gate).mul_(up)
+        ctx.kernels = kernels
+        return kernels.silu_gate(gate, up)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:  # type: ignore[override]
         gate, up = ctx.saved_tensors
-        d_up = F.silu(gate).mul_(grad)
-        d_gate = torch.ops.aten.silu_backward(grad * up, gate)
-        return d_gate, d_up
+        return (*ctx.kernels.silu_gate_backward(grad, gate, up), None)
 
 
 class _FrozenRMSNorm(torch.autograd.Function):
@@ -156,24 +156,20 @@ class _FrozenRMSNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, x: torch.Tensor, x_again: torch.Tensor, weight: torch.Tensor, eps: float
+        ctx: Any, x: torch.Tensor, x_again: torch.Tensor, weight: torch.Tensor, eps: float, kernels: Kernels
     ) -> torch.Tensor:  # type: ignore[override]
-        rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        out, rstd = kernels.rms_norm(x, weight, eps)
         ctx.save_for_backward(x, weight, rstd)
-        return (x * rstd).mul_(weight)
+        ctx.kernels = kernels
+        return out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None, None]:  # type: ignore[override]
         x, weight, rstd = ctx.saved_tensors
-        d_normed = grad * weight  # d(w ⊙ n)/dn
-        buffer = d_normed * x
-        d_rstd = buffer.sum(-1, keepdim=True)  # x ⊙ rstd, rstd broadcast over the row
-        d_var = (-0.5 * d_rstd) * rstd.pow(3)  # rsqrt's derivative, as autograd writes it
-        d_squares = torch.mul(x, 2.0, out=buffer).mul_(d_var / x.shape[-1])  # mean, then pow(2)
-        return d_normed.mul_(rstd), d_squares, None, None
+        return (*ctx.kernels.rms_norm_backward(grad, x, weight, rstd), None, None, None)
 
 
-def _swiglu_forward(mlp: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+def _swiglu_forward(mlp: Any, kernels: Kernels) -> Callable[[torch.Tensor], torch.Tensor]:
     """`down(act(gate(x)) * up(x))`, the layers called in the model's own order (hooks see them
     as before); the product is recomputed in backward from gate(x) and up(x)."""
     silu = type(mlp.act_fn).__name__ in SILU_TYPES  # forwards calling F.silu, nothing else
@@ -184,13 +180,13 @@ def _swiglu_forward(mlp: Any) -> Callable[[torch.Tensor], torch.Tensor]:
     def forward(x: torch.Tensor) -> torch.Tensor:
         gate, up = mlp.gate_proj(x), mlp.up_proj(x)
         if silu and gate.dtype == up.dtype and gate.shape == up.shape and torch.is_grad_enabled():
-            return mlp.down_proj(_SiluGate.apply(gate, up))
+            return mlp.down_proj(_SiluGate.apply(gate, up, kernels))
         return mlp.down_proj(_recomputed(gated, gate, up))
 
     return forward
 
 
-def _rmsnorm_forward(norm: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+def _rmsnorm_forward(norm: nn.Module, kernels: Kernels) -> Callable[[torch.Tensor], torch.Tensor]:
     original = type(norm).forward
     llama_form = type(norm).__name__ in LLAMA_RMSNORM_TYPES
 
@@ -198,24 +194,29 @@ def _rmsnorm_forward(norm: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
         weight = norm.weight
         frozen_fp32 = x.dtype == weight.dtype == torch.float32 and not weight.requires_grad
         if llama_form and frozen_fp32 and torch.is_grad_enabled() and x.requires_grad:
-            return _FrozenRMSNorm.apply(x, x, weight, norm.variance_epsilon)
+            return _FrozenRMSNorm.apply(x, x, weight, norm.variance_epsilon, kernels)
         return _recomputed(lambda h: original(norm, h), x)
 
     return forward
 
 
 @contextmanager
-def recompute_elementwise(model: nn.Module) -> Iterator[int]:
+def recompute_elementwise(model: nn.Module, compiled: bool = False) -> Iterator[int]:
     """Within the block, SwiGLU MLPs and upcasting RMSNorms keep only their inputs for backward.
 
+    `compiled`: their written-out steps run as `torch.compile`d kernels (`assay.lm.elementwise`).
     Yields how many modules were switched; their own forwards are back on exit.
     """
+    kernels = EAGER
+    if compiled:
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        kernels = compiled_kernels(device.type)
     patched: list[nn.Module] = []
     for module in model.modules():
         if _is_swiglu_mlp(module):
-            module.forward = _swiglu_forward(module)  # type: ignore[method-assign]
+            module.forward = _swiglu_forward(module, kernels)  # type: ignore[method-assign]
         elif _is_upcasting_rmsnorm(module):
-            module.forward = _rmsnorm_forward(module)  # type: ignore[method-assign]
+            module.forward = _rmsnorm_forward(module, kernels)  # type: ignore[method-assign]
         else:
             continue
         patched.append(module)
