@@ -6,8 +6,8 @@ Steps, on random Llamas (bench/random_model.py; the weights do not matter for sp
 bundled ABC tunes:
   build-smol   bench/bench_build.py on SmolLM2-135M's shape: every floor (eager, SDPA masked,
                SDPA causal, packed, flash-attn varlen where installed) against `assay build`'s
-               loop, eager and with --compile's fused elementwise kernels, fp32 and bf16, and one
-               whole `assay build --device cuda` per precision
+               loop, fp32 and bf16, and one whole `assay build --device cuda` per precision
+  build-compiled  the loop with --compile's fused elementwise kernels beside the eager one (bf16)
   build-1b     the same on Llama-3.2-1B's shape, bf16 only
   index        `assay build` of all tunes (bf16, fp16 rows, TrackStar statistics) for scoring
   score-*      `assay score --device cuda` of 16 held-out tunes, trackstar and inner
@@ -139,12 +139,14 @@ def steps(sizes: Sizes, device: str, out: Path, work: Path) -> list[tuple[str, l
                 "--precisions",
                 "fp32",
                 "bf16",
-                "--compiled_collector",
             ]
             + ["--out", str(out / "build_smol.json")],
-            300,
+            240,
         )
     )
+    compiled = [*build, "--model", str(smol), "--tokens", str(sizes.build_tokens), "--precisions", "bf16"]
+    compiled += ["--compiled_collector", "--no_process", "--out", str(out / "build_compiled.json")]
+    todo.append(("build-compiled", compiled, 150))
     index = work / "run-index"
     cmd = [
         py,
