@@ -105,7 +105,7 @@ def compiled_kernels(device_type: str) -> Kernels:
 def _require_cpp_compiler() -> None:
     """On CPU inductor writes C++: refuse --compile in one line where no compiler is installed."""
     try:
-        from torch._inductor.cpp_builder import get_cpp_compiler
+        from torch._inductor.cpp_builder import get_cpp_compiler  # inductor: only when compiling
 
         get_cpp_compiler()
     except Exception as e:  # inductor raises its own error types across versions
