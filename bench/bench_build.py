@@ -254,7 +254,7 @@ def process_benchmark(args, data: Path, precision: str, work: Path) -> dict:
     ]
     ours_cmd += ["--dataset", str(data), "--precision", precision, "--projection_dim", str(args.p)]
     ours_cmd += ["--token_batch_size", str(args.token_batch_size), "--overwrite", "--threads", "0"]
-    ours_cmd += ["--device", args.device, *(["--compile"] if args.ours_compile else [])]
+    ours_cmd += ["--device", args.device]
     peer_cmd = [
         args.peer_python,
         "-m",
@@ -333,7 +333,6 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also time the collector with its elementwise steps compiled (assay build --compile)",
     )
-    ap.add_argument("--ours_compile", action="store_true", help="whole processes run `assay build --compile`")
     ap.add_argument(
         "--statistic",
         choices=["median", "min"],

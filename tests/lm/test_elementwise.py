@@ -17,12 +17,12 @@ from assay.lm import elementwise, lean
 from assay.lm.data import collate
 from assay.lm.elementwise import EAGER, Kernels, compiled_kernels
 from assay.lm.losses import example_losses
-from tests.helpers import random_examples, tiny_llama
+from tests.helpers import random_examples, rel_err, tiny_llama
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, rtol: float) -> None:
     assert got.dtype == want.dtype and got.shape == want.shape
-    err = float((got.float() - want.float()).norm() / want.float().norm())
+    err = rel_err(got.float(), want.float())
     assert err < rtol, err
 
 
