@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import sys
+import types
 
 import numpy as np
 import pytest
@@ -10,6 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from assay.core.errors import AssayError
+from assay.sae import ground_truth
 from assay.sae.ground_truth import (
     ClassificationCounts,
     linear_sum_assignment,
@@ -145,3 +148,24 @@ def test_ground_truth_metrics_and_the_eval_command(tmp_path, capsys) -> None:  #
     saved = json.loads((tmp_path / "sae" / "eval.json").read_text())
     assert saved["mcc"] == pytest.approx(got["mcc"]) and saved["f1"] == pytest.approx(got["f1"])
     assert "mcc" in capsys.readouterr().out
+
+
+def test_the_assignment_solver_is_scipys_where_installed_and_ours_otherwise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+
+    monkeypatch.setitem(sys.modules, "scipy.optimize", None)  # import fails: scipy absent
+    assert ground_truth.fastest_assignment() is linear_sum_assignment
+    fake = types.ModuleType("scipy.optimize")
+    calls: list[tuple[int, int]] = []
+
+    def solver(cost: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        calls.append(cost.shape)
+        return linear_sum_assignment(cost)
+
+    fake.linear_sum_assignment = solver  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "scipy.optimize", fake)
+    monkeypatch.setitem(sys.modules, "scipy", types.ModuleType("scipy"))
+    features = torch.eye(3, dtype=torch.float64)
+    assert mean_correlation_coefficient(features[[2, 0, 1]], features) == pytest.approx(1.0)
+    assert calls == [(3, 3)]
