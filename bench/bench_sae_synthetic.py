@@ -33,6 +33,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -56,33 +57,39 @@ WARMUP, DECAY = 10, 0.2  # Adam's schedule for both libraries (assay's signum: n
 
 
 # ---- generate (peers' environment) -------------------------------------------------------
-def generate(args: argparse.Namespace) -> None:
-    from numpy.lib.format import open_memmap
+def synthetic_config(features: int, hidden: int, roots: int, seed: int) -> Any:
+    """SAELens's SyntheticModelConfig of the SynthSAEBench-16k recipe at this size."""
     from sae_lens.synthetic import (
         FoldedNormalMagnitudeConfig,
         HierarchyConfig,
         LinearMagnitudeConfig,
         LowRankCorrelationConfig,
         OrthogonalizationConfig,
-        SyntheticModel,
         SyntheticModelConfig,
         ZipfianFiringProbabilityConfig,
     )
-    from safetensors.torch import save_file
 
-    cfg = SyntheticModelConfig(
-        num_features=args.features,
-        hidden_dim=args.hidden,
+    return SyntheticModelConfig(
+        num_features=features,
+        hidden_dim=hidden,
         firing_probability=ZipfianFiringProbabilityConfig(exponent=0.5, max_prob=0.4, min_prob=5e-4),
         hierarchy=HierarchyConfig(
-            total_root_nodes=args.roots, branching_factor=4, max_depth=3, mutually_exclusive_portion=1.0
+            total_root_nodes=roots, branching_factor=4, max_depth=3, mutually_exclusive_portion=1.0
         ),
         correlation=LowRankCorrelationConfig(rank=25, correlation_scale=0.1),
         orthogonalization=OrthogonalizationConfig(num_steps=100, lr=3e-4),
         mean_firing_magnitudes=LinearMagnitudeConfig(start=5.0, end=4.0),
         std_firing_magnitudes=FoldedNormalMagnitudeConfig(mean=0.5, std=0.5),
-        seed=args.seed,
+        seed=seed,
     )
+
+
+def generate(args: argparse.Namespace) -> None:
+    from numpy.lib.format import open_memmap
+    from sae_lens.synthetic import SyntheticModel
+    from safetensors.torch import save_file
+
+    cfg = synthetic_config(args.features, args.hidden, args.roots, args.seed)
     model = SyntheticModel(cfg)
     torch.manual_seed(args.seed + 100)
     out = args.data
@@ -134,63 +141,78 @@ def save_line(args: argparse.Namespace, rec: dict[str, Any]) -> None:
         f.write(json.dumps(rec) + "\n")
 
 
-# ---- assay --------------------------------------------------------------------------------
-def run_assay(args: argparse.Namespace) -> None:
-    from assay.core.memory import reuse_freed_memory
+# ---- assay ----------------------------------------------------------------------------------
+def train_assay(
+    args: argparse.Namespace,
+    arch: str,
+    precision: str,
+    stream: Iterable[torch.Tensor],
+    first: torch.Tensor,
+    steps: int,
+    k: int,
+) -> tuple[Any, Any, torch.Tensor, dict[str, Any]]:
+    """One assay SAE trained on `steps` batches of `stream` as `assay sae train` trains it
+    (`first`: the first batch, for b_dec and the encoder's scale). (sae, optimizer, the last
+    batch, the run's record); the caller saves or scores it inside `averaged(optimizer)`."""
     from assay.core.precision import PrecisionPolicy
     from assay.sae.config import SaeArchConfig, default_aux_window
     from assay.sae.metrics import DeadLatents
     from assay.sae.model import SparseAutoencoder
-    from assay.sae.optim import averaged, default_learning_rate, make_optimizer
+    from assay.sae.optim import default_learning_rate, make_optimizer
+    from assay.sae.train import lr_at, train_step
+
+    torch.manual_seed(args.init_seed)
+    rate = args.jumprelu_threshold_lr
+    own = {} if rate is None else {"jumprelu_threshold_lr": rate}  # None: assay's default
+    cfg = SaeArchConfig(
+        architecture=arch, k=k, matryoshka_widths=matryoshka_widths(args.d_sae),
+        l1_coefficient=args.l1_coefficient, l0_coefficient=args.l0_coefficient,
+        jumprelu_init_threshold=args.jumprelu_init_threshold,
+        **own,
+    )  # fmt: skip
+    base = coefficients(args).get(arch, 0.0)  # the sparsity penalty's weight (0: TopK-type)
+    sae = SparseAutoencoder(first.shape[1], args.d_sae, cfg).to(first.device)
+    with torch.no_grad():
+        sae.b_dec.copy_(first.mean(0))
+    sae.fit_encoder_scale(first)
+    kind = "signum" if cfg.unit_decoder else "adam"
+    lr = default_learning_rate(args.d_sae, cfg.unit_decoder, kind)
+    warmup, decay = (0, 0.0) if kind == "signum" else (WARMUP, DECAY)
+    opt = make_optimizer(sae, lr, kind)
+    policy = PrecisionPolicy.resolve(precision, first.device)
+    window = DEAD_WINDOW_STEPS * args.batch
+    aux_window = default_aux_window(arch, kind, args.batch, window)  # assay's AuxK default
+    dead = DeadLatents(args.d_sae, window=window, aux_window=aux_window)
+    timer, warm, x = Timer(), max(1, int(0.05 * steps)), first
+    for i, x in zip(range(steps), stream):
+        timer.step(i)
+        coef = base * min(1.0, (i + 1) / warm)  # warmed up as assay sae train does
+        train_step(sae, opt, x, dead, policy, lr_at(i, steps, lr, warmup, decay), coef, 1.0, i == 0)
+    if x.is_cuda:
+        torch.cuda.synchronize()
+    rec = {"library": "assay", "arch": arch, "precision": precision, "lr": lr, "optimizer": kind}
+    extra = {"aux_window": aux_window, "tokens_per_s": timer.tokens_per_s(args.batch)}
+    return sae, opt, x, {**rec, **extra, "train_dead": dead.fraction()}
+
+
+def run_assay(args: argparse.Namespace) -> None:
+    from assay.core.memory import reuse_freed_memory
+    from assay.sae.optim import averaged
     from assay.sae.saelens_format import save_sae
-    from assay.sae.train import calibrate_threshold, lr_at, train_step
+    from assay.sae.train import calibrate_threshold
 
     data, scale, steps = protocol(args)
-    d_in, k = data[0].shape[1], true_k(args.data)
+    k = true_k(args.data)
     reuse_freed_memory()  # as assay's training loop (assay.sae.loop.fit_all) sets it
     for arch in args.archs:
         for precision in args.precision:
-            torch.manual_seed(args.init_seed)
-            rate = args.jumprelu_threshold_lr
-            own = {} if rate is None else {"jumprelu_threshold_lr": rate}  # None: assay's default
-            cfg = SaeArchConfig(
-                architecture=arch, k=k, matryoshka_widths=matryoshka_widths(args.d_sae),
-                l1_coefficient=args.l1_coefficient, l0_coefficient=args.l0_coefficient,
-                jumprelu_init_threshold=args.jumprelu_init_threshold,
-                **own,
-            )  # fmt: skip
-            base = coefficients(args).get(arch, 0.0)  # the sparsity penalty's weight (0: TopK-type)
-            sae = SparseAutoencoder(d_in, args.d_sae, cfg)
-            with torch.no_grad():
-                sae.b_dec.copy_(data[0].mean(0))
-            sae.fit_encoder_scale(data[0])
-            kind = "signum" if cfg.unit_decoder else "adam"
-            lr = default_learning_rate(args.d_sae, cfg.unit_decoder, kind)
-            warmup, decay = (0, 0.0) if kind == "signum" else (WARMUP, DECAY)
-            opt = make_optimizer(sae, lr, kind)
-            policy = PrecisionPolicy.resolve(precision)
-            window = DEAD_WINDOW_STEPS * args.batch
-            aux_window = default_aux_window(arch, kind, args.batch, window)  # assay's AuxK default
-            dead = DeadLatents(args.d_sae, window=window, aux_window=aux_window)
-            timer, warm = Timer(), max(1, int(0.05 * steps))
-            for i, x in enumerate(data):
-                timer.step(i)
-                coef = base * min(1.0, (i + 1) / warm)  # warmed up as assay sae train does
-                train_step(sae, opt, x, dead, policy, lr_at(i, steps, lr, warmup, decay), coef, 1.0, i == 0)
-            speed = timer.tokens_per_s(args.batch)
+            sae, opt, last, rec = train_assay(args, arch, precision, data, data[0], steps, k)
             name = f"assay-{arch}-{precision}"
             with averaged(opt):  # signum: the averaged point, as assay saves it
-                calibrate_threshold(sae, data[-1])  # BatchTopK kinds: the threshold assay saves
+                calibrate_threshold(sae, last)  # BatchTopK kinds: the threshold assay saves
                 sae.act_scale.fill_(scale)  # the batches were scaled: save for raw activations
                 save_sae(args.data / "saes" / name, sae, {"hook_name": "synthetic"})
-            rec = {"name": name, "library": "assay", "arch": arch, "precision": precision, "lr": lr}
-            extra = {
-                "optimizer": kind,
-                "aux_window": aux_window,
-                "tokens_per_s": speed,
-                "train_dead": dead.fraction(),
-            }
-            save_line(args, {**rec, **extra})
+            save_line(args, {"name": name, **rec})
 
 
 # ---- the dense floor --------------------------------------------------------------------------

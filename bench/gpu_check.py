@@ -14,6 +14,10 @@ bundled ABC tunes:
   sae, sae-compiled  `assay sae train --device cuda` (TopK, bf16) without and with --compile
   callback     bench/bench_callback.py: a Trainer run with and without assay's GradientCallback
                (p = 16, the default normalizer), also alternating collected and uncollected steps
+  sae-synthetic  bench/sae_synthetic_stream.py: feature recovery at SynthSAEBench's published width
+               (16,384 features in d = 768, 16,384 latents; BatchTopK, Matryoshka, JumpReLU in
+               bf16), batches drawn on the GPU by SAELens's generator (.gpu/synth). It needs the
+               whole budget, so it is not run with the others: `--only sae-synthetic` alone
 Peers (bergson, SAELens) are not installed on the device image and it has no network: compare
 them on the CPU (bench_build.py --peer_python, bench_sae_peers.py) until their wheels are carried.
 
@@ -55,6 +59,8 @@ class Sizes:
     callback_steps: int = 10
     callback_batch: tuple[int, int] = (8, 512)
     """Examples per step, tokens per example."""
+    synthetic: list[str] = field(default_factory=lambda: ["--seconds", "90"])
+    """bench/sae_synthetic_stream.py's sizes (training seconds per SAE)."""
     floors: list[str] = field(
         default_factory=lambda: [
             "eager",
@@ -80,7 +86,10 @@ SMOKE = Sizes(
     callback_steps=4,
     callback_batch=(2, 32),
     floors=["sdpa", "sdpa-causal", "sdpa-segments"],
+    synthetic=["--smoke"],
 )
+STANDALONE = ("sae-synthetic",)
+"""Steps that need no model or index, and that run only when --only names them."""
 
 
 def run_step(name: str, cmd: list[str], limit: int, out: Path, results: dict) -> dict:
@@ -181,6 +190,16 @@ def steps(sizes: Sizes, device: str, out: Path, work: Path) -> list[tuple[str, l
     cmd += ["--steps", str(sizes.callback_steps), "--batch_size", str(batch), "--seq_len", str(seq_len)]
     cmd += ["--normalizers", "adafactor", "--alternate", "--out", str(out / "callback.json")]
     todo.append(("callback", cmd, 150))
+    cmd = [
+        py,
+        str(BENCH / "sae_synthetic_stream.py"),
+        "--device",
+        device,
+        "--out",
+        str(out),
+        *sizes.synthetic,
+    ]
+    todo.append(("sae-synthetic", cmd, 540))
     if sizes.big_shape:  # last: the most expensive, and the first to go when time runs short
         todo.append(
             (
@@ -198,6 +217,16 @@ def steps(sizes: Sizes, device: str, out: Path, work: Path) -> list[tuple[str, l
             )
         )
     return todo
+
+
+def selected(name: str, only: list[str]) -> bool:
+    """Whether a step runs: every step but the standalone ones when `only` is empty; else the
+    steps named, with the model and index steps when a named step needs them."""
+    if not only:
+        return name not in STANDALONE
+    if name in only:
+        return True
+    return name.startswith(("model-", "index")) and any(o not in STANDALONE for o in only)
 
 
 def main() -> None:
@@ -218,7 +247,7 @@ def main() -> None:
     results: dict = {"machine": info, "device": args.device, "smoke": args.smoke, "steps": {}}
     deadline = time.perf_counter() + args.budget
     for name, cmd, limit in steps(SMOKE if args.smoke else Sizes(), args.device, args.out, work):
-        if args.only and name not in args.only and not name.startswith(("model-", "index")):
+        if not selected(name, args.only):
             continue
         left = deadline - time.perf_counter()
         if left < 20:

@@ -6,6 +6,7 @@
 # Here, with network, once:   bash bench/gpu_prepare.sh        (fills .gpu/ and .whl/, both ignored)
 # On the device machine:      run(command="bash bench/gpu_check.sh", carry=[".gpu", ".whl"], timeout_s=600)
 # The CPU path of every step:  DEVICE=cpu SMOKE=1 OUT=/tmp/gpu-smoke bash bench/gpu_check.sh
+# Some steps only:             ONLY="sae-synthetic" bash bench/gpu_check.sh  (names: bench/gpu_check.py)
 #
 # The device image has python3 with CUDA torch and transformers but not tyro (assay's CLI) and no
 # network: the wheels in .whl/ are installed into /tmp/site, and assay runs from this tree.
@@ -21,10 +22,12 @@ if ! "$PY" -c "import tyro" 2>/dev/null; then
     export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+# SAELens's generator for the sae-synthetic step (bench/gpu_prepare.sh), never the whole package
+if [ -d .gpu/synth/sae_lens ]; then export PYTHONPATH=$PYTHONPATH:$PWD/.gpu/synth; fi
 # the bundled ABC tunes, prepared here (the device cannot fetch the music21 wheel they come from)
 if [ -d .gpu/cache/datasets/abc-tunes ]; then export ASSAY_CACHE=$PWD/.gpu/cache; fi
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
 if [ "$DEVICE" = cuda ]; then nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true; fi
 "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())"
-"$PY" bench/gpu_check.py --device "$DEVICE" --out "$OUT" ${SMOKE:+--smoke} ${BUDGET:+--budget "$BUDGET"} 2>&1 | tee "$OUT/log.txt"
+"$PY" bench/gpu_check.py --device "$DEVICE" --out "$OUT" ${SMOKE:+--smoke} ${BUDGET:+--budget "$BUDGET"} ${ONLY:+--only $ONLY} 2>&1 | tee "$OUT/log.txt"
 exit "${PIPESTATUS[0]}"

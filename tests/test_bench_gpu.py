@@ -15,7 +15,7 @@ from assay.core.config import ModelConfig
 from assay.lm.data import collate
 from assay.lm.losses import example_losses
 from assay.lm.models import load_model
-from bench import bench_build, bench_callback, floors, gpu_check, machine, random_model
+from bench import bench_build, bench_callback, floors, gpu_check, machine, random_model, sae_synthetic_stream
 from tests.helpers import FP32, random_examples, tiny_llama
 
 
@@ -36,9 +36,25 @@ def test_every_step_of_the_gpu_check_parses(tmp_path, sizes):
         elif script.endswith("bench_callback.py"):
             args = bench_callback.parser().parse_args(cmd[2:])
             assert args.device == "cuda" and args.steps >= 4, name
+        elif script.endswith("sae_synthetic_stream.py"):
+            args = sae_synthetic_stream.parser().parse_args(cmd[2:])
+            assert args.device == "cuda" and args.smoke == (sizes is gpu_check.SMOKE), name
+            assert args.seconds * len(args.archs) < limit - 120, "room for the world and the scoring"
         else:
             assert script.endswith("random_model.py")
             random_model.parser().parse_args(cmd[2:])
+
+
+def test_standalone_steps_run_only_when_named_and_named_steps_bring_what_they_need(tmp_path):
+    names = [name for name, _, _ in gpu_check.steps(gpu_check.SMOKE, "cpu", tmp_path, tmp_path)]
+    assert "sae-synthetic" in names
+
+    def chosen(only):
+        return [n for n in names if gpu_check.selected(n, only)]
+
+    assert "sae-synthetic" not in chosen([]) and "callback" in chosen([])
+    assert chosen(["sae-synthetic"]) == ["sae-synthetic"]
+    assert chosen(["score-inner"]) == ["model-smol", "index", "score-inner"]
 
 
 def test_machine_record_names_the_cpu_and_its_isa():

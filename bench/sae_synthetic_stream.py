@@ -1,0 +1,204 @@
+"""Feature recovery at SynthSAEBench's published width, streamed: the GPU check of issue #21.
+
+The published table trains SAEs of 16,384 latents on 200M samples of a world of 16,384 true
+features in d = 768: 600 GB of activations, too much to write down. Here SAELens's generator
+(the recipe `bench_sae_synthetic.py` generates with, `synthetic_config`) draws every training
+batch on the device as the step needs it, assay's SAEs train on that stream exactly as
+`bench_sae_synthetic.py assay` trains them (`train_assay`), and held-out samples drawn once
+score each SAE with assay.sae.ground_truth (MCC through scipy's assignment solver where installed,
+in a CPU process beside the next architecture's training).
+
+Each architecture trains on the same stream (the generator reseeded) for as many batches as fit
+--seconds at the speed a short probe measured (so the learning-rate schedule knows its length),
+at most --samples (the published 200M). Results go to OUT/synthetic_stream.json after every step.
+Not the released 16k world itself (a Hub download): the same recipe at its size, seed --seed.
+
+  python3 bench/sae_synthetic_stream.py --device cuda --out OUT          (PYTHONPATH: sae_lens)
+  python  bench/sae_synthetic_stream.py --device cpu --smoke --out /tmp/s  (the CPU path)
+
+SAELens is never a dependency of assay: on this machine it comes from the peers' environment
+(run with .venv-peers/bin/python and PYTHONPATH=.), on the GPU machine from the copy of its
+generator modules that bench/gpu_prepare.sh makes (.gpu/synth).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing as mp
+import os
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+os.environ.setdefault("TQDM_DISABLE", "1")  # the generator's orthogonalisation bar, 100 lines in a log
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_sae_synthetic import ARCHS, synthetic_config, train_assay  # noqa: E402
+from machine import header, machine  # noqa: E402
+
+PROBE_STEPS = 12  # a throwaway SAE's steps to measure the step rate (Timer skips the first 5)
+
+
+def world(args: argparse.Namespace) -> tuple[Any, dict[str, torch.Tensor], float, float]:
+    """(the generator, the held-out ground truth, its true L0, the activations' scale)."""
+    from sae_lens.synthetic import SyntheticModel
+
+    start = time.perf_counter()
+    model = SyntheticModel(
+        synthetic_config(args.features, args.hidden, args.roots, args.seed), device=args.device
+    )
+    torch.manual_seed(args.seed + 100)
+    acts, fires = [], []
+    for start_row in range(0, args.eval_samples, args.batch):
+        hidden, feats = model.sample_with_features(min(args.batch, args.eval_samples - start_row))
+        acts.append(hidden.float())
+        fires.append(feats > 0)
+    gt = {
+        "feature_vectors": model.feature_dict.feature_vectors.detach().float(),
+        "eval_acts": torch.cat(acts),
+        "eval_fires": torch.cat(fires),
+    }
+    true_l0 = float(gt["eval_fires"].sum(1).float().mean())
+    torch.manual_seed(args.seed + 300)  # a training-side draw, never the held-out samples
+    probe = model.sample(args.batch).float()
+    scale = math.sqrt(args.hidden) / float(probe.norm(dim=1).mean())
+    print(f"world: {args.features} features, d = {args.hidden}, true L0 {true_l0:.1f}, "
+          f"{time.perf_counter() - start:.1f} s to build", flush=True)  # fmt: skip
+    return model, gt, true_l0, scale
+
+
+def stream(model: Any, args: argparse.Namespace, scale: float) -> Iterator[torch.Tensor]:
+    """The training batches, scaled; the same sequence for every architecture."""
+    torch.manual_seed(args.seed + 200)
+    while True:
+        yield model.sample(args.batch).float() * scale
+
+
+def generator_rate(model: Any, args: argparse.Namespace) -> float:
+    """Samples/s of the generator alone (what every training step also pays)."""
+    batches = stream(model, args, 1.0)
+    next(batches)
+    sync(args.device)
+    start = time.perf_counter()
+    for _ in range(8):
+        next(batches)
+    sync(args.device)
+    return 8 * args.batch / (time.perf_counter() - start)
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def mcc_job(decoder: torch.Tensor, features: torch.Tensor) -> float:
+    """Runs in a CPU process: the MCC's one-to-one assignment."""
+    from assay.sae.ground_truth import mean_correlation_coefficient
+
+    return mean_correlation_coefficient(decoder, features)
+
+
+def score(
+    sae: Any, gt: dict[str, torch.Tensor], pool: ProcessPoolExecutor
+) -> tuple[dict[str, float], Future]:
+    """Detection metrics now (on the device); the MCC as a future from the CPU pool."""
+    from assay.sae.ground_truth import detection_metrics
+
+    metrics = detection_metrics(sae, gt)
+    mcc = pool.submit(mcc_job, sae.W_dec.detach().float().cpu(), gt["feature_vectors"].cpu())
+    return metrics, mcc
+
+
+def run(args: argparse.Namespace) -> None:
+    from assay.sae.optim import averaged
+    from assay.sae.train import calibrate_threshold
+
+    info = machine()
+    print(header(info), flush=True)
+    out = args.out / "synthetic_stream.json"
+    result: dict[str, Any] = {"machine": info, "args": {k: str(v) for k, v in vars(args).items()}, "runs": {}}
+    if args.device.startswith("cuda"):
+        result["gpu"] = torch.cuda.get_device_name()
+    model, gt, true_l0, scale = world(args)
+    k = args.k or max(1, round(true_l0))
+    result.update(true_l0=true_l0, k=k, scale=scale, generator_samples_per_s=generator_rate(model, args))
+    pool = ProcessPoolExecutor(max_workers=len(args.archs), mp_context=mp.get_context("spawn"))
+    pending: dict[str, Future] = {}
+    for arch in args.archs:
+        first = next(stream(model, args, scale))
+        _, _, _, probe = train_assay(
+            args, arch, args.precision, stream(model, args, scale), first, PROBE_STEPS, k
+        )
+        steps = max(
+            PROBE_STEPS,
+            min(args.samples // args.batch, int(args.seconds * probe["tokens_per_s"] / args.batch)),
+        )
+        start = time.perf_counter()
+        sae, opt, last, rec = train_assay(
+            args, arch, args.precision, stream(model, args, scale), first, steps, k
+        )
+        seconds = time.perf_counter() - start
+        with averaged(opt):  # signum: the averaged point, as assay saves it
+            calibrate_threshold(sae, last)
+            sae.act_scale.fill_(scale)  # the stream was scaled: score on raw activations
+            metrics, pending[arch] = score(sae, gt, pool)
+        rec = {**rec, "samples": steps * args.batch, "steps": steps, "train_s": round(seconds, 1)}
+        result["runs"][arch] = {**rec, "metrics": metrics}  # metrics["precision"]: the detection's
+        print(json.dumps({"arch": arch, "samples": rec["samples"], **metrics}), flush=True)
+        out.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    for arch, future in pending.items():
+        result["runs"][arch]["metrics"]["mcc"] = future.result()
+        print(f"{arch}: MCC {result['runs'][arch]['metrics']['mcc']:.3f}", flush=True)
+        out.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    pool.shutdown()
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--out", type=Path, required=True, help="folder for synthetic_stream.json")
+    p.add_argument(
+        "--smoke", action="store_true", help="a tiny world and a few seconds per SAE (the CPU path)"
+    )
+    p.add_argument("--features", type=int, default=16384, help="true features (published: 16,384)")
+    p.add_argument("--hidden", type=int, default=768, help="activation width d (published: 768)")
+    p.add_argument(
+        "--roots", type=int, default=128, help="hierarchy roots (the 4k bench's 32, scaled by width)"
+    )
+    p.add_argument("--d_sae", type=int, default=16384, help="SAE latents (published: 16,384)")
+    p.add_argument(
+        "--k", type=int, default=None, help="TopK kinds' k (default: the world's true L0, rounded)"
+    )
+    p.add_argument("--batch", type=int, default=4096)
+    p.add_argument("--samples", type=int, default=200_000_000, help="most samples per SAE (published: 200M)")
+    p.add_argument("--seconds", type=float, default=80.0, help="training time per SAE (sets its length)")
+    p.add_argument("--eval_samples", type=int, default=65536)
+    p.add_argument("--archs", nargs="+", default=["batchtopk", "matryoshka", "jumprelu"], choices=ARCHS)
+    p.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--seed", type=int, default=0, help="the world's seed (generator and held-out samples)")
+    p.add_argument("--init_seed", type=int, default=1)
+    p.add_argument("--l0_coefficient", type=float, default=1.0)
+    p.add_argument("--l1_coefficient", type=float, default=5.0)
+    p.add_argument("--jumprelu_init_threshold", type=float, default=0.01)
+    p.add_argument("--jumprelu_threshold_lr", type=float, default=None)
+    return p
+
+
+def main() -> None:
+    args = parser().parse_args()
+    if args.smoke:  # sizes only: an explicit --seconds still counts
+        args.features, args.hidden, args.roots, args.d_sae = 512, 64, 8, 512
+        args.batch, args.eval_samples = 1024, 4096
+        args.seconds = min(args.seconds, 3.0)
+    args.out.mkdir(parents=True, exist_ok=True)
+    run(args)
+
+
+if __name__ == "__main__":
+    main()
