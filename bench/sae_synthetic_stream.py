@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import multiprocessing as mp
-import os
 import sys
 import time
 from collections.abc import Iterator
@@ -37,8 +35,8 @@ from typing import Any
 
 import torch
 
-os.environ.setdefault("TQDM_DISABLE", "1")  # the generator's orthogonalisation bar, 100 lines in a log
 sys.path.insert(0, str(Path(__file__).parent))
+from bench_sae_common import scale_of  # noqa: E402
 from bench_sae_synthetic import ARCHS, synthetic_config, train_assay  # noqa: E402
 from machine import header, machine  # noqa: E402
 
@@ -66,8 +64,7 @@ def world(args: argparse.Namespace) -> tuple[Any, dict[str, torch.Tensor], float
     }
     true_l0 = float(gt["eval_fires"].sum(1).float().mean())
     torch.manual_seed(args.seed + 300)  # a training-side draw, never the held-out samples
-    probe = model.sample(args.batch).float()
-    scale = math.sqrt(args.hidden) / float(probe.norm(dim=1).mean())
+    scale = scale_of(model.sample(args.batch).float().cpu().numpy())
     print(f"world: {args.features} features, d = {args.hidden}, true L0 {true_l0:.1f}, "
           f"{time.perf_counter() - start:.1f} s to build", flush=True)  # fmt: skip
     return model, gt, true_l0, scale
