@@ -7,19 +7,22 @@ bundled ABC tunes:
   build-smol   bench/bench_build.py on SmolLM2-135M's shape: every floor (eager, SDPA masked,
                SDPA causal, packed, flash-attn varlen where installed) against `assay build`'s
                loop, fp32 and bf16, and one whole `assay build --device cuda` per precision
-  build-compiled  the loop with --compile's fused elementwise kernels beside the eager one (bf16)
-  build-1b     the same on Llama-3.2-1B's shape, bf16 only
   index        `assay build` of all tunes (bf16, fp16 rows, TrackStar statistics) for scoring
   score-*      `assay score --device cuda` of 16 held-out tunes, trackstar and inner
   sae, sae-compiled  `assay sae train --device cuda` (TopK, bf16) without and with --compile
+  build-compiled  the loop with --compile's fused elementwise kernels beside the eager one (bf16)
   callback     bench/bench_callback.py: a Trainer run with and without assay's GradientCallback
                (p = 16, the default normalizer), also alternating collected and uncollected steps
+  build-1b     build-smol's loop on Llama-3.2-1B's shape, bf16 only (last: the first cut short)
   sae-synthetic  bench/sae_synthetic_stream.py: feature recovery at SynthSAEBench's published width
                (16,384 features in d = 768, 16,384 latents; BatchTopK, Matryoshka, JumpReLU in
                bf16), batches drawn on the GPU by SAELens's generator (.gpu/synth). It needs the
                whole budget, so it is not run with the others: `--only sae-synthetic` alone
-Peers (bergson, SAELens) are not installed on the device image and it has no network: compare
-them on the CPU (bench_build.py --peer_python, bench_sae_peers.py) until their wheels are carried.
+               (--synthetic_seconds sets its training time per SAE)
+bergson is not on the device image and it has no network: bench/gpu_prepare.sh downloads its wheels
+(.whl/peers) and bench/gpu_check.sh installs them, then build-smol times `bergson build` beside
+`assay build` on the same GPU (--peer_python). SAELens's trainer needs TransformerLens and more:
+compare it on the CPU (bench_sae_peers.py).
 
     python3 bench/gpu_check.py --device cuda --out $OUT
     .venv/bin/python bench/gpu_check.py --device cpu --smoke --out /tmp/gpu-smoke    # the CPU path
@@ -32,7 +35,7 @@ import json
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -116,8 +119,10 @@ def run_step(name: str, cmd: list[str], limit: int, out: Path, results: dict) ->
     return record
 
 
-def steps(sizes: Sizes, device: str, out: Path, work: Path) -> list[tuple[str, list[str], int]]:
-    """(name, command, time limit in s) of every step, in order."""
+def steps(
+    sizes: Sizes, device: str, out: Path, work: Path, peer_python: str = ""
+) -> list[tuple[str, list[str], int]]:
+    """(name, command, time limit in s) of every step, in order; `peer_python` runs bergson."""
     py = sys.executable
     smol, big = work / "smol", work / "big"
     todo = [
@@ -149,13 +154,11 @@ def steps(sizes: Sizes, device: str, out: Path, work: Path) -> list[tuple[str, l
                 "fp32",
                 "bf16",
             ]
-            + ["--out", str(out / "build_smol.json")],
+            + ["--out", str(out / "build_smol.json")]
+            + (["--peer_python", peer_python] if peer_python else []),
             240,
         )
     )
-    compiled = [*build, "--model", str(smol), "--tokens", str(sizes.build_tokens), "--precisions", "bf16"]
-    compiled += ["--compiled_collector", "--no_process", "--out", str(out / "build_compiled.json")]
-    todo.append(("build-compiled", compiled, 150))
     index = work / "run-index"
     cmd = [
         py,
@@ -185,6 +188,10 @@ def steps(sizes: Sizes, device: str, out: Path, work: Path) -> list[tuple[str, l
         cmd += ["--training_tokens", str(sizes.sae_tokens), "--precision", "bf16", "--device", device]
         cmd += ["--browser_latents", "0", "--overwrite", "--compile" if compiled else "--no-compile"]
         todo.append((name, cmd, 150))
+    # after the eager steps: a compile's first run is the likeliest to overrun what is left
+    compiled = [*build, "--model", str(smol), "--tokens", str(sizes.build_tokens), "--precisions", "bf16"]
+    compiled += ["--compiled_collector", "--no_process", "--out", str(out / "build_compiled.json")]
+    todo.append(("build-compiled", compiled, 150))
     batch, seq_len = sizes.callback_batch
     cmd = [py, str(BENCH / "bench_callback.py"), "--model", str(smol), "--device", device]
     cmd += ["--steps", str(sizes.callback_steps), "--batch_size", str(batch), "--seq_len", str(seq_len)]
@@ -235,6 +242,10 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--smoke", action="store_true", help="tiny sizes: checks the steps run (e.g. on the CPU)")
     ap.add_argument("--only", nargs="*", default=[], help="run only the steps named (and what they need)")
+    ap.add_argument("--peer_python", default="", help="a python with bergson: timed beside assay build")
+    ap.add_argument(
+        "--synthetic_seconds", type=float, default=None, help="training seconds per SAE in sae-synthetic"
+    )
     ap.add_argument(
         "--budget", type=float, default=540, help="seconds for all steps: each is cut to what is left"
     )
@@ -246,7 +257,10 @@ def main() -> None:
     print(header(info), flush=True)
     results: dict = {"machine": info, "device": args.device, "smoke": args.smoke, "steps": {}}
     deadline = time.perf_counter() + args.budget
-    for name, cmd, limit in steps(SMOKE if args.smoke else Sizes(), args.device, args.out, work):
+    sizes = SMOKE if args.smoke else Sizes()
+    if args.synthetic_seconds is not None:
+        sizes = replace(sizes, synthetic=[*sizes.synthetic, "--seconds", str(args.synthetic_seconds)])
+    for name, cmd, limit in steps(sizes, args.device, args.out, work, args.peer_python):
         if not selected(name, args.only):
             continue
         left = deadline - time.perf_counter()

@@ -7,6 +7,7 @@
 # On the device machine:      run(command="bash bench/gpu_check.sh", carry=[".gpu", ".whl"], timeout_s=600)
 # The CPU path of every step:  DEVICE=cpu SMOKE=1 OUT=/tmp/gpu-smoke bash bench/gpu_check.sh
 # Some steps only:             ONLY="sae-synthetic" bash bench/gpu_check.sh  (names: bench/gpu_check.py)
+# Shorter synthetic training:  SYNTH_SECONDS=30 (per SAE; default 90)
 #
 # The device image has python3 with CUDA torch and transformers but not tyro (assay's CLI) and no
 # network: the wheels in .whl/ are installed into /tmp/site, and assay runs from this tree.
@@ -21,6 +22,14 @@ if ! "$PY" -c "import tyro" 2>/dev/null; then
         || { echo "tyro is missing and .whl/ has no wheels for it: run bench/gpu_prepare.sh first"; exit 2; }
     export PYTHONPATH=/tmp/site
 fi
+# bergson for build-smol's side-by-side (bench/gpu_prepare.sh downloads it and what the image lacks)
+PEER=
+if ls .whl/peers/*.whl >/dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/peers .whl/peers/*.whl \
+        && PYTHONPATH=/tmp/peers${PYTHONPATH:+:$PYTHONPATH} "$PY" -c "import bergson.__main__" \
+        && { export PYTHONPATH=/tmp/peers${PYTHONPATH:+:$PYTHONPATH}; PEER=$PY; } \
+        || echo "bergson does not import here: build-smol runs without it"
+fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 # SAELens's generator for the sae-synthetic step (bench/gpu_prepare.sh), never the whole package
 if [ -d .gpu/synth/sae_lens ]; then export PYTHONPATH=$PYTHONPATH:$PWD/.gpu/synth; fi
@@ -29,5 +38,6 @@ if [ -d .gpu/cache/datasets/abc-tunes ]; then export ASSAY_CACHE=$PWD/.gpu/cache
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
 if [ "$DEVICE" = cuda ]; then nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true; fi
 "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())"
-"$PY" bench/gpu_check.py --device "$DEVICE" --out "$OUT" ${SMOKE:+--smoke} ${BUDGET:+--budget "$BUDGET"} ${ONLY:+--only $ONLY} 2>&1 | tee "$OUT/log.txt"
+"$PY" bench/gpu_check.py --device "$DEVICE" --out "$OUT" ${SMOKE:+--smoke} ${BUDGET:+--budget "$BUDGET"} ${ONLY:+--only $ONLY} \
+    ${PEER:+--peer_python "$PEER"} ${SYNTH_SECONDS:+--synthetic_seconds "$SYNTH_SECONDS"} 2>&1 | tee "$OUT/log.txt"
 exit "${PIPESTATUS[0]}"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What bench/gpu_check.sh needs on the GPU machine and cannot fetch there (it has no network), made
 # here: the bundled ABC tunes in .gpu/cache (ASSAY_CACHE there), the wheels of assay's CLI
-# dependencies missing from the device image (tyro and its two) in .whl/, and SAELens's synthetic
+# dependencies missing from the device image (tyro and its two) in .whl/, bergson's in .whl/peers, and SAELens's synthetic
 # generator in .gpu/synth for bench/sae_synthetic_stream.py. Both folders are ignored by git and
 # carried by the device call: carry=[".gpu", ".whl"] (a few MB).
 set -euo pipefail
@@ -17,6 +17,13 @@ for pkg in tyro docstring-parser typeguard; do
     "$PY" -m pip download -q --no-deps --only-binary=:all: -d .whl "$pkg==$version"
 done
 ls -la .gpu/cache/datasets/abc-tunes .whl
+
+# bergson 2.5.1 and what it imports that the device image lacks (Python 3.12 there; all pure Python)
+mkdir -p .whl/peers
+"$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl/peers \
+    bergson==2.5.1 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 simple-parsing==0.1.9 \
+    petname==2.9 natsort==8.4.0 torchopt==0.7.3
 
 # SAELens's synthetic-activation generator, out of the peers' environment `make test-interop` builds
 "${PEERS_PY:-.venv-peers/bin/python}" bench/saelens_generator_copy.py .gpu/synth
