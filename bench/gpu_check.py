@@ -4,10 +4,10 @@ after every step (a step cut short by the device's 10-minute limit still leaves 
 
 Steps, on random Llamas (bench/random_model.py; the weights do not matter for speed) and the
 bundled ABC tunes:
-  build-smol   bench/bench_build.py on SmolLM2-135M's shape: every floor (eager, SDPA masked,
-               SDPA causal, packed, flash-attn varlen where installed) against `assay build`'s
+  build-smol   bench/bench_build.py on SmolLM2-135M's shape: the floors (eager, SDPA masked,
+               SDPA causal, segments, flash-attn varlen where installed) against `assay build`'s
                loop, fp32 and bf16, and one whole `assay build --device cuda` per precision
-  index        `assay build` of all tunes (bf16, fp16 rows, TrackStar statistics) for scoring
+  index        `assay build` of 4,000 tunes (bf16, fp16 rows, TrackStar statistics) for scoring
   score-*      `assay score --device cuda` of 16 held-out tunes, trackstar and inner
   sae, sae-compiled  `assay sae train --device cuda` (TopK, bf16) without and with --compile
   build-compiled  the loop with --compile's fused elementwise kernels beside the eager one (bf16)
@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -50,26 +52,31 @@ class Sizes:
 
     smol_shape: str = "smollm2-135m"
     big_shape: str | None = "llama-1b"
-    build_tokens: int = 150_000
-    big_tokens: int = 60_000
+    build_tokens: int = 60_000
+    """Sized by the first H200 run: its fp32 floors ran at ~23k tokens/s on this shape, and 150k
+    tokens at 2 repeats took build-smol past its limit before the bf16 half."""
+    big_tokens: int = 30_000
     token_batch: int = 8192
-    repeats: int = 2
-    index_samples: int | None = None
-    """Tunes in the index scored (None: the whole train split, 11.7k tunes)."""
+    repeats: int = 1
+    index_samples: int | None = 4000
+    """Tunes in the index scored (None: the whole train split, 11.7k tunes, ~3M tokens)."""
     queries: int = 16
-    sae_tokens: int = 2_000_000
+    sae_tokens: int = 1_000_000
     sae_hookpoint: str = "model.layers.15"
     callback_steps: int = 10
     callback_batch: tuple[int, int] = (8, 512)
     """Examples per step, tokens per example."""
-    synthetic: list[str] = field(default_factory=lambda: ["--seconds", "90"])
-    """bench/sae_synthetic_stream.py's sizes (training seconds per SAE)."""
+    synthetic_seconds: float = 90.0
+    """bench/sae_synthetic_stream.py's training time per SAE."""
+    synthetic: list[str] = field(default_factory=list)
+    """bench/sae_synthetic_stream.py's other size arguments."""
+    # no sdpa-packed: each batch as one row with restarting positions ran at 0.43x sdpa's rate on the
+    # H200 (fp32; SDPA over the whole row), and "segments" packs the same row with batched attention
     floors: list[str] = field(
         default_factory=lambda: [
             "eager",
             "sdpa",
             "sdpa-causal",
-            "sdpa-packed",
             "sdpa-segments",
             "flash-varlen",
         ]
@@ -90,9 +97,29 @@ SMOKE = Sizes(
     callback_batch=(2, 32),
     floors=["sdpa", "sdpa-causal", "sdpa-segments"],
     synthetic=["--smoke"],
+    synthetic_seconds=3.0,
 )
 STANDALONE = ("sae-synthetic",)
 """Steps that need no model or index, and that run only when --only names them."""
+
+
+def run_with_stacks(cmd: list[str], limit: int) -> tuple[int, str]:
+    """(rc, stdout and stderr) of `cmd` run under `limit` seconds. A step that overruns gets SIGABRT
+    first, so that faulthandler prints where each of its threads was (a bare timeout says nothing
+    of where the time went), then SIGKILL; its rc is then 124."""
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        text = proc.communicate(timeout=limit)[0]
+        return proc.returncode, text
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        try:
+            text = proc.communicate(timeout=15)[0]
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            text = proc.communicate()[0]
+        return 124, text
 
 
 def run_step(name: str, cmd: list[str], limit: int, out: Path, results: dict) -> dict:
@@ -100,12 +127,7 @@ def run_step(name: str, cmd: list[str], limit: int, out: Path, results: dict) ->
     summary.json (when the command wrote one); rewrite out/gpu_check.json."""
     print(f"== {name}: {' '.join(cmd)}", flush=True)
     start = time.perf_counter()
-    try:
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=limit)
-        rc, text = res.returncode, res.stdout + res.stderr
-    except subprocess.TimeoutExpired as e:  # what it printed until then (bytes, despite text=True)
-        out_so_far = e.stdout or b""
-        rc, text = 124, out_so_far.decode(errors="replace") if isinstance(out_so_far, bytes) else out_so_far
+    rc, text = run_with_stacks(cmd, limit)
     wall = time.perf_counter() - start
     tail = "\n".join(line for line in text.splitlines() if "it/s]" not in line)[-3000:]
     print(tail, flush=True)
@@ -205,6 +227,8 @@ def steps(
         "--out",
         str(out),
         *sizes.synthetic,
+        "--seconds",
+        str(sizes.synthetic_seconds),
     ]
     todo.append(("sae-synthetic", cmd, 540))
     if sizes.big_shape:  # last: the most expensive, and the first to go when time runs short
@@ -259,7 +283,7 @@ def main() -> None:
     deadline = time.perf_counter() + args.budget
     sizes = SMOKE if args.smoke else Sizes()
     if args.synthetic_seconds is not None:
-        sizes = replace(sizes, synthetic=[*sizes.synthetic, "--seconds", str(args.synthetic_seconds)])
+        sizes = replace(sizes, synthetic_seconds=args.synthetic_seconds)
     for name, cmd, limit in steps(sizes, args.device, args.out, work, args.peer_python):
         if not selected(name, args.only):
             continue

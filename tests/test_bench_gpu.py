@@ -6,6 +6,8 @@ not here.)"""
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -55,6 +57,23 @@ def test_standalone_steps_run_only_when_named_and_named_steps_bring_what_they_ne
     assert "sae-synthetic" not in chosen([]) and "callback" in chosen([])
     assert chosen(["sae-synthetic"]) == ["sae-synthetic"]
     assert chosen(["score-inner"]) == ["model-smol", "index", "score-inner"]
+
+
+def test_bergson_runs_beside_the_build_only_when_a_peer_python_is_given(tmp_path):
+    def peer_steps(peer):
+        todo = gpu_check.steps(gpu_check.SMOKE, "cpu", tmp_path, tmp_path, peer_python=peer)
+        return [name for name, cmd, _ in todo if "--peer_python" in cmd]
+
+    assert peer_steps("") == [] and peer_steps("/usr/bin/python3") == ["build-smol"]
+
+
+def test_an_overrunning_step_leaves_its_stack_and_a_finished_one_its_rc():
+    slow = "import time\ndef waiting_here():\n    time.sleep(60)\nprint('started', flush=True)\n"
+    slow += "waiting_here()"
+    rc, text = gpu_check.run_with_stacks([sys.executable, "-c", slow], 3)
+    assert rc == 124 and "started" in text and "waiting_here" in text
+    failing = [sys.executable, "-c", "print('x'); raise SystemExit(3)"]
+    assert gpu_check.run_with_stacks(failing, 30) == (3, "x\n")
 
 
 def test_machine_record_names_the_cpu_and_its_isa():
