@@ -31,6 +31,7 @@ compare it on the CPU (bench_sae_peers.py).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -106,20 +107,30 @@ STANDALONE = ("sae-synthetic",)
 def run_with_stacks(cmd: list[str], limit: int) -> tuple[int, str]:
     """(rc, stdout and stderr) of `cmd` run under `limit` seconds. A step that overruns gets SIGABRT
     first, so that faulthandler prints where each of its threads was (a bare timeout says nothing
-    of where the time went), then SIGKILL; its rc is then 124."""
+    of where the time went), then its whole process group SIGKILL (workers it started would
+    otherwise hold the output pipe open); its rc is then 124."""
     env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    try:
-        text = proc.communicate(timeout=limit)[0]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+    )
+    text = _output(proc, limit)
+    if text is not None:
         return proc.returncode, text
+    proc.send_signal(signal.SIGABRT)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(15)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    return 124, _output(proc, 15) or ""
+
+
+def _output(proc: subprocess.Popen, seconds: float) -> str | None:
+    """All of `proc`'s output once its pipe closes within `seconds`, else None (nothing lost:
+    `communicate` keeps what it read for the next call)."""
+    try:
+        return proc.communicate(timeout=seconds)[0]
     except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGABRT)
-        try:
-            text = proc.communicate(timeout=15)[0]
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            text = proc.communicate()[0]
-        return 124, text
+        return None
 
 
 def run_step(name: str, cmd: list[str], limit: int, out: Path, results: dict) -> dict:

@@ -7,6 +7,7 @@ not here.)"""
 from __future__ import annotations
 
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -72,6 +73,12 @@ def test_an_overrunning_step_leaves_its_stack_and_a_finished_one_its_rc():
     slow += "waiting_here()"
     rc, text = gpu_check.run_with_stacks([sys.executable, "-c", slow], 3)
     assert rc == 124 and "started" in text and "waiting_here" in text
+    # a worker that inherits the output pipe and outlives the step must not hold the check up
+    worker = "import subprocess, sys, time\n"
+    worker += "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+    start = time.perf_counter()
+    rc, _ = gpu_check.run_with_stacks([sys.executable, "-c", worker + "time.sleep(60)"], 3)
+    assert rc == 124 and time.perf_counter() - start < 30
     failing = [sys.executable, "-c", "print('x'); raise SystemExit(3)"]
     assert gpu_check.run_with_stacks(failing, 30) == (3, "x\n")
 
