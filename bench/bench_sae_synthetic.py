@@ -264,47 +264,70 @@ def saelens_sae(
     return sl.StandardTrainingSAE(cfg_s)
 
 
-def run_saelens(args: argparse.Namespace) -> None:
+def train_saelens(
+    args: argparse.Namespace,
+    arch: str,
+    precision: str,
+    stream: Iterable[torch.Tensor],
+    first: torch.Tensor,
+    steps: int,
+    k: int,
+) -> tuple[Any, dict[str, Any]]:
+    """One SAELens SAE trained by its own SAETrainer on `steps` batches of `stream` at its
+    recommended settings and assay's Adam learning rates (`first`: the first batch, for b_dec).
+    (sae, the run's record)."""
     from sae_lens.config import SAETrainerConfig
     from sae_lens.training.sae_trainer import SAETrainer
 
+    torch.manual_seed(args.init_seed)
+    threshold = args.jumprelu_init_threshold
+    sae = saelens_sae(arch, first.shape[1], args.d_sae, k, steps, coefficients(args), threshold)
+    sae.to(first.device)
+    with torch.no_grad():
+        sae.b_dec.copy_(first.mean(0))
+    unit = arch in ("topk", "batchtopk", "matryoshka")
+    lr = (3.2e-3 if unit else 8e-4) / (args.d_sae / 2**14) ** 0.5  # assay's Adam defaults
+    cfg = SAETrainerConfig(
+        total_training_samples=steps * args.batch, train_batch_size_samples=args.batch, lr=lr,
+        lr_warm_up_steps=WARMUP, lr_decay_steps=int(DECAY * steps), lr_end=0.0,
+        device=str(first.device), autocast=precision == "bf16", dead_feature_window=DEAD_WINDOW_STEPS,
+        feature_sampling_window=10**9,
+    )  # fmt: skip
+    timer = Timer()
+
+    def provider() -> Any:
+        for i, x in zip(range(steps), stream):
+            timer.step(i)
+            yield x
+
+    trainer = SAETrainer(cfg, sae, provider())
+    trainer.fit()
+    if first.is_cuda:
+        torch.cuda.synchronize()
+    train_dead = float((trainer.n_forward_passes_since_fired >= DEAD_WINDOW_STEPS).float().mean())
+    rec = {"library": "saelens", "arch": arch, "precision": precision, "lr": lr, "optimizer": "adam"}
+    return sae, {**rec, "tokens_per_s": timer.tokens_per_s(args.batch), "train_dead": train_dead}
+
+
+def save_saelens(sae: Any, scale: float, folder: Path) -> None:
+    """Save in SAELens's format for raw activations (the batches were scaled by `scale`)."""
+    with torch.no_grad():
+        sae.W_enc.mul_(scale)
+        sae.W_dec.div_(scale)
+        sae.b_dec.div_(scale)
+    sae.cfg.metadata.hook_name = "synthetic"
+    sae.save_inference_model(folder)
+
+
+def run_saelens(args: argparse.Namespace) -> None:
     data, scale, steps = protocol(args)
-    d_in, k = data[0].shape[1], true_k(args.data)
+    k = true_k(args.data)
     for arch in args.archs:
         for precision in args.precision:
-            torch.manual_seed(args.init_seed)
-            threshold = args.jumprelu_init_threshold
-            sae = saelens_sae(arch, d_in, args.d_sae, k, steps, coefficients(args), threshold)
-            with torch.no_grad():
-                sae.b_dec.copy_(data[0].mean(0))
-            unit = arch in ("topk", "batchtopk", "matryoshka")
-            lr = (3.2e-3 if unit else 8e-4) / (args.d_sae / 2**14) ** 0.5  # assay's Adam defaults
-            cfg = SAETrainerConfig(
-                total_training_samples=steps * args.batch, train_batch_size_samples=args.batch, lr=lr,
-                lr_warm_up_steps=WARMUP, lr_decay_steps=int(DECAY * steps), lr_end=0.0, device="cpu",
-                autocast=precision == "bf16", dead_feature_window=DEAD_WINDOW_STEPS,
-                feature_sampling_window=10**9,
-            )  # fmt: skip
-            timer = Timer()
-
-            def provider(timer: Timer = timer) -> Any:
-                for i, x in enumerate(data):
-                    timer.step(i)
-                    yield x
-
-            trainer = SAETrainer(cfg, sae, provider())
-            trainer.fit()
-            speed = timer.tokens_per_s(args.batch)
-            train_dead = float((trainer.n_forward_passes_since_fired >= DEAD_WINDOW_STEPS).float().mean())
+            sae, rec = train_saelens(args, arch, precision, data, data[0], steps, k)
             name = f"saelens-{arch}-{precision}"
-            with torch.no_grad():  # the batches were scaled: fold the scale for raw activations
-                sae.W_enc.mul_(scale)
-                sae.W_dec.div_(scale)
-                sae.b_dec.div_(scale)
-            sae.cfg.metadata.hook_name = "synthetic"
-            sae.save_inference_model(args.data / "saes" / name)
-            rec = {"name": name, "library": "saelens", "arch": arch, "precision": precision, "lr": lr}
-            save_line(args, {**rec, "optimizer": "adam", "tokens_per_s": speed, "train_dead": train_dead})
+            save_saelens(sae, scale, args.data / "saes" / name)
+            save_line(args, {"name": name, **rec})
 
 
 # ---- scoring ------------------------------------------------------------------------------

@@ -16,7 +16,8 @@ bundled ABC tunes:
   build-1b     build-smol's loop on Llama-3.2-1B's shape, bf16 only (last: the first cut short)
   sae-synthetic  bench/sae_synthetic_stream.py: feature recovery at SynthSAEBench's published width
                (16,384 features in d = 768, 16,384 latents; BatchTopK, Matryoshka, JumpReLU in
-               bf16), batches drawn on the GPU by SAELens's generator (.gpu/synth). It needs the
+               bf16), assay's SAEs and SAELens's (its trainer) on the same batches, drawn on the
+               GPU by SAELens's generator (.gpu/synth). It needs the
                whole budget, so it is not run with the others: `--only sae-synthetic` alone
                (--synthetic_seconds sets its training time per SAE)
 bergson is not on the device image and it has no network: bench/gpu_prepare.sh downloads its wheels
@@ -45,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from machine import header, machine  # noqa: E402
 
 BENCH = Path(__file__).parent
+SAELENS_COPY = BENCH.parent / ".gpu" / "synth"  # bench/gpu_prepare.sh (bench/saelens_copy.py)
 
 
 @dataclass
@@ -67,9 +69,10 @@ class Sizes:
     callback_steps: int = 10
     callback_batch: tuple[int, int] = (8, 512)
     """Examples per step, tokens per example."""
-    synthetic_seconds: float = 90.0
-    """bench/sae_synthetic_stream.py's training time per SAE."""
-    synthetic: list[str] = field(default_factory=list)
+    synthetic_seconds: float = 30.0
+    """bench/sae_synthetic_stream.py's training time per assay SAE (SAELens's trains as many
+    samples, at its own speed)."""
+    synthetic: list[str] = field(default_factory=lambda: ["--libraries", "assay", "saelens"])
     """bench/sae_synthetic_stream.py's other size arguments."""
     # no sdpa-packed: each batch as one row with restarting positions ran at 0.43x sdpa's rate on the
     # H200 (fp32; SDPA over the whole row), and "segments" packs the same row with batched attention
@@ -241,6 +244,8 @@ def steps(
         "--seconds",
         str(sizes.synthetic_seconds),
     ]
+    if SAELENS_COPY.is_dir():  # SAELens for this step alone (its W&B stub must not reach Trainer)
+        cmd += ["--saelens_path", str(SAELENS_COPY)]
     todo.append(("sae-synthetic", cmd, 540))
     if sizes.big_shape:  # last: the most expensive, and the first to go when time runs short
         todo.append(

@@ -7,7 +7,7 @@
 # On the device machine:      run(command="bash bench/gpu_check.sh", carry=[".gpu", ".whl"], timeout_s=600)
 # The CPU path of every step:  DEVICE=cpu SMOKE=1 OUT=/tmp/gpu-smoke bash bench/gpu_check.sh
 # Some steps only:             ONLY="sae-synthetic" bash bench/gpu_check.sh  (names: bench/gpu_check.py)
-# Shorter synthetic training:  SYNTH_SECONDS=30 (per SAE; default 90)
+# Shorter synthetic training:  SYNTH_SECONDS=15 (assay's training time per SAE; default 30)
 #
 # The device image has python3 with CUDA torch and transformers but not tyro (assay's CLI) and no
 # network: the wheels in .whl/ are installed into /tmp/site, and assay runs from this tree.
@@ -22,17 +22,15 @@ if ! "$PY" -c "import tyro" 2>/dev/null; then
         || { echo "tyro is missing and .whl/ has no wheels for it: run bench/gpu_prepare.sh first"; exit 2; }
     export PYTHONPATH=/tmp/site
 fi
-# bergson for build-smol's side-by-side (bench/gpu_prepare.sh downloads it and what the image lacks)
+# bergson for build-smol's side-by-side, and what the SAELens copy imports that the image lacks
+# (bench/gpu_prepare.sh downloads them)
 PEER=
 if ls .whl/peers/*.whl >/dev/null 2>&1; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/peers .whl/peers/*.whl \
-        && PYTHONPATH=/tmp/peers${PYTHONPATH:+:$PYTHONPATH} "$PY" -c "import bergson.__main__" \
-        && { export PYTHONPATH=/tmp/peers${PYTHONPATH:+:$PYTHONPATH}; PEER=$PY; } \
-        || echo "bergson does not import here: build-smol runs without it"
+        && export PYTHONPATH=/tmp/peers${PYTHONPATH:+:$PYTHONPATH}
+    "$PY" -c "import bergson.__main__" && PEER=$PY || echo "bergson does not import here: build-smol runs without it"
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-# SAELens's generator for the sae-synthetic step (bench/gpu_prepare.sh), never the whole package
-if [ -d .gpu/synth/sae_lens ]; then export PYTHONPATH=$PYTHONPATH:$PWD/.gpu/synth; fi
 # the bundled ABC tunes, prepared here (the device cannot fetch the music21 wheel they come from)
 if [ -d .gpu/cache/datasets/abc-tunes ]; then export ASSAY_CACHE=$PWD/.gpu/cache; fi
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1

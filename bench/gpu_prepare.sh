@@ -2,7 +2,7 @@
 # What bench/gpu_check.sh needs on the GPU machine and cannot fetch there (it has no network), made
 # here: the bundled ABC tunes in .gpu/cache (ASSAY_CACHE there), the wheels of assay's CLI
 # dependencies missing from the device image (tyro and its two) in .whl/, bergson's in .whl/peers, and SAELens's synthetic
-# generator in .gpu/synth for bench/sae_synthetic_stream.py. Both folders are ignored by git and
+# generator and trainer in .gpu/synth for bench/sae_synthetic_stream.py. Both folders are ignored by git and
 # carried by the device call: carry=[".gpu", ".whl"] (a few MB).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,6 +25,7 @@ mkdir -p .whl/peers
     bergson==2.5.1 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 simple-parsing==0.1.9 \
     petname==2.9 natsort==8.4.0 torchopt==0.7.3 optree==0.20.0 graphviz==0.21
 
-# SAELens's synthetic-activation generator, out of the peers' environment `make test-interop` builds
-"${PEERS_PY:-.venv-peers/bin/python}" bench/saelens_generator_copy.py .gpu/synth
+# SAELens's synthetic-activation generator and trainer, out of the peers' environment `make
+# test-interop` builds (the sae-synthetic step puts it on sys.path, no other step sees it)
+"${PEERS_PY:-.venv-peers/bin/python}" bench/saelens_copy.py .gpu/synth
 du -sh .gpu/synth

@@ -9,8 +9,11 @@ score each SAE with assay.sae.ground_truth (MCC through scipy's assignment solve
 in a CPU process beside the next architecture's training).
 
 Each architecture trains on the same stream (the generator reseeded) for as many batches as fit
---seconds at the speed a short probe measured (so the learning-rate schedule knows its length),
-at most --samples (the published 200M). Results go to OUT/synthetic_stream.json after every step.
+--seconds at the speed a short probe of assay's SAE measured (so the learning-rate schedule knows
+its length), at most --samples (the published 200M). With --libraries assay saelens, SAELens's
+SAE and trainer (`bench_sae_synthetic.py saelens`'s recipe) train on the same batches, as many,
+and are scored through the SAELens-format folder they save. Results go to
+OUT/synthetic_stream.json after every SAE, keyed library-architecture.
 Not the released 16k world itself (a Hub download): the same recipe at its size, seed --seed.
 
   python3 bench/sae_synthetic_stream.py --device cuda --out OUT          (PYTHONPATH: sae_lens)
@@ -18,7 +21,7 @@ Not the released 16k world itself (a Hub download): the same recipe at its size,
 
 SAELens is never a dependency of assay: on this machine it comes from the peers' environment
 (run with .venv-peers/bin/python and PYTHONPATH=.), on the GPU machine from the copy of its
-generator modules that bench/gpu_prepare.sh makes (.gpu/synth).
+modules that bench/gpu_prepare.sh makes (.gpu/synth, bench/saelens_copy.py).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import argparse
 import json
 import multiprocessing as mp
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -37,7 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_sae_common import scale_of  # noqa: E402
-from bench_sae_synthetic import ARCHS, synthetic_config, train_assay  # noqa: E402
+from bench_sae_synthetic import ARCHS, save_saelens, synthetic_config, train_assay, train_saelens  # noqa: E402
 from machine import header, machine  # noqa: E402
 
 PROBE_STEPS = 12  # a throwaway SAE's steps to measure the step rate (Timer skips the first 5)
@@ -113,9 +117,6 @@ def score(
 
 
 def run(args: argparse.Namespace) -> None:
-    from assay.sae.optim import averaged
-    from assay.sae.train import calibrate_threshold
-
     info = machine()
     print(header(info), flush=True)
     out = args.out / "synthetic_stream.json"
@@ -125,35 +126,65 @@ def run(args: argparse.Namespace) -> None:
     model, gt, true_l0, scale = world(args)
     k = args.k or max(1, round(true_l0))
     result.update(true_l0=true_l0, k=k, scale=scale, generator_samples_per_s=generator_rate(model, args))
-    pool = ProcessPoolExecutor(max_workers=len(args.archs), mp_context=mp.get_context("spawn"))
+    workers = len(args.archs) * len(args.libraries)
+    pool = ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn"))
     pending: dict[str, Future] = {}
     for arch in args.archs:
-        first = next(stream(model, args, scale))
-        _, _, _, probe = train_assay(
-            args, arch, args.precision, stream(model, args, scale), first, PROBE_STEPS, k
-        )
-        steps = max(
-            PROBE_STEPS,
-            min(args.samples // args.batch, int(args.seconds * probe["tokens_per_s"] / args.batch)),
-        )
-        start = time.perf_counter()
-        sae, opt, last, rec = train_assay(
-            args, arch, args.precision, stream(model, args, scale), first, steps, k
-        )
-        seconds = time.perf_counter() - start
-        with averaged(opt):  # signum: the averaged point, as assay saves it
-            calibrate_threshold(sae, last)
-            sae.act_scale.fill_(scale)  # the stream was scaled: score on raw activations
-            metrics, pending[arch] = score(sae, gt, pool)
-        rec = {**rec, "samples": steps * args.batch, "steps": steps, "train_s": round(seconds, 1)}
-        result["runs"][arch] = {**rec, "metrics": metrics}  # metrics["precision"]: the detection's
-        print(json.dumps({"arch": arch, "samples": rec["samples"], **metrics}), flush=True)
-        out.write_text(json.dumps(result, indent=1, default=str) + "\n")
-    for arch, future in pending.items():
-        result["runs"][arch]["metrics"]["mcc"] = future.result()
-        print(f"{arch}: MCC {result['runs'][arch]['metrics']['mcc']:.3f}", flush=True)
+        steps = length(args, arch, model, scale, k)
+        for library in args.libraries:
+            name = f"{library}-{arch}"
+            start = time.perf_counter()
+            rec, metrics, pending[name] = TRAINERS[library](args, arch, model, scale, gt, steps, k, pool)
+            rec = {**rec, "samples": steps * args.batch, "steps": steps}
+            rec["train_s"] = round(time.perf_counter() - start, 1)
+            result["runs"][name] = {**rec, "metrics": metrics}  # metrics["precision"]: the detection's
+            print(json.dumps({"run": name, "samples": rec["samples"], **metrics}), flush=True)
+            out.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    for name, future in pending.items():
+        result["runs"][name]["metrics"]["mcc"] = future.result()
+        print(f"{name}: MCC {result['runs'][name]['metrics']['mcc']:.3f}", flush=True)
         out.write_text(json.dumps(result, indent=1, default=str) + "\n")
     pool.shutdown()
+
+
+def length(args: argparse.Namespace, arch: str, model: Any, scale: float, k: int) -> int:
+    """Batches per SAE of `arch`: as many as assay trains in --seconds at the rate a short probe
+    measured (at most --samples); every library trains this many."""
+    first = next(stream(model, args, scale))
+    batches = stream(model, args, scale)
+    _, _, _, probe = train_assay(args, arch, args.precision, batches, first, PROBE_STEPS, k)
+    fit = int(args.seconds * probe["tokens_per_s"] / args.batch)
+    return max(PROBE_STEPS, min(args.samples // args.batch, fit))
+
+
+def run_assay(args, arch, model, scale, gt, steps, k, pool) -> tuple[dict, dict, Future]:
+    """(record, detection metrics, MCC future) of assay's SAE trained on the stream."""
+    from assay.sae.optim import averaged
+    from assay.sae.train import calibrate_threshold
+
+    first = next(stream(model, args, scale))
+    sae, opt, last, rec = train_assay(args, arch, args.precision, stream(model, args, scale), first, steps, k)
+    with averaged(opt):  # signum: the averaged point, as assay saves it
+        calibrate_threshold(sae, last)
+        sae.act_scale.fill_(scale)  # the stream was scaled: score on raw activations
+        metrics, mcc = score(sae, gt, pool)
+    return rec, metrics, mcc
+
+
+def run_saelens(args, arch, model, scale, gt, steps, k, pool) -> tuple[dict, dict, Future]:
+    """The same for SAELens's SAE and trainer, saved in its format and scored as assay loads it."""
+    from assay.sae.saelens_format import load_sae
+
+    first = next(stream(model, args, scale))
+    sae, rec = train_saelens(args, arch, args.precision, stream(model, args, scale), first, steps, k)
+    with tempfile.TemporaryDirectory() as folder:
+        save_saelens(sae, scale, Path(folder))
+        loaded, _ = load_sae(folder)
+    metrics, mcc = score(loaded.to(args.device), gt, pool)
+    return rec, metrics, mcc
+
+
+TRAINERS = {"assay": run_assay, "saelens": run_saelens}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -178,17 +209,29 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--eval_samples", type=int, default=65536)
     p.add_argument("--archs", nargs="+", default=["batchtopk", "matryoshka", "jumprelu"], choices=ARCHS)
     p.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument(
+        "--libraries", nargs="+", default=["assay"], choices=list(TRAINERS),
+        help="whose SAEs to train on the stream (saelens: its trainer, from the copy or an install)",
+    )  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="the world's seed (generator and held-out samples)")
     p.add_argument("--init_seed", type=int, default=1)
     p.add_argument("--l0_coefficient", type=float, default=1.0)
     p.add_argument("--l1_coefficient", type=float, default=5.0)
     p.add_argument("--jumprelu_init_threshold", type=float, default=0.01)
     p.add_argument("--jumprelu_threshold_lr", type=float, default=None)
+    p.add_argument(
+        "--saelens_path",
+        type=Path,
+        default=None,
+        help="searched first: a folder bench/saelens_copy.py filled",
+    )
     return p
 
 
 def main() -> None:
     args = parser().parse_args()
+    if args.saelens_path is not None:
+        sys.path.insert(0, str(args.saelens_path))
     if args.smoke:  # sizes only: an explicit --seconds still counts
         args.features, args.hidden, args.roots, args.d_sae = 512, 64, 8, 512
         args.batch, args.eval_samples = 1024, 4096

@@ -1,6 +1,7 @@
-"""The GPU machine's copy of SAELens's generator and the streamed benchmark that uses it
-(bench/saelens_generator_copy.py, bench/sae_synthetic_stream.py), against the installed SAELens:
-the copy draws the same world and samples, and the benchmark runs end to end on it (run in
+"""The GPU machine's copy of SAELens and the streamed benchmark that uses it
+(bench/saelens_copy.py, bench/sae_synthetic_stream.py), against the installed SAELens: the copy
+draws the same world and samples, and the benchmark trains assay's and SAELens's SAEs end to end
+on it, with the copy's stand-ins for TransformerLens and W&B ahead of the installed ones (run in
 .venv-peers: `make test-interop`)."""
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from safetensors.torch import load_file
 pytest.importorskip("sae_lens.synthetic")
 ROOT = Path(__file__).parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
-from saelens_generator_copy import copy_generator  # noqa: E402
+from saelens_copy import copy_saelens  # noqa: E402
 
 DRAW = """
 import sys, sae_lens, torch
@@ -43,7 +44,7 @@ def _run(args: list[str], pythonpath: list[Path]) -> str:
 
 @pytest.fixture(scope="module")
 def copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return copy_generator(tmp_path_factory.mktemp("synth"))
+    return copy_saelens(tmp_path_factory.mktemp("synth"))
 
 
 def test_the_copy_draws_what_saelens_draws(copy: Path, tmp_path: Path) -> None:
@@ -55,13 +56,25 @@ def test_the_copy_draws_what_saelens_draws(copy: Path, tmp_path: Path) -> None:
     assert (a["feats"] > 0).any() and a["hidden"].abs().sum() > 0
 
 
-def test_the_streamed_benchmark_runs_on_the_copy(copy: Path, tmp_path: Path) -> None:
+def test_the_streamed_benchmark_trains_both_libraries_on_the_copy(copy: Path, tmp_path: Path) -> None:
     args = ["bench/sae_synthetic_stream.py", "--device", "cpu", "--smoke", "--seconds", "1"]
-    _run([*args, "--archs", "batchtopk", "jumprelu", "--out", str(tmp_path)], [copy, ROOT])
+    args += ["--archs", "batchtopk", "jumprelu", "--libraries", "assay", "saelens"]
+    _run([*args, "--saelens_path", str(copy), "--out", str(tmp_path)], [ROOT])
     result = json.loads((tmp_path / "synthetic_stream.json").read_text())
     assert result["true_l0"] > 0 and result["generator_samples_per_s"] > 0
     for arch in ("batchtopk", "jumprelu"):
-        run = result["runs"][arch]
-        assert run["samples"] >= 12 * 1024 and run["precision"] == "bf16"
-        metrics = run["metrics"]
-        assert 0 < metrics["mcc"] <= 1 and 0 <= metrics["f1"] <= 1 and 0 < metrics["fvu"] < 1
+        runs = [result["runs"][f"{library}-{arch}"] for library in ("assay", "saelens")]
+        assert runs[0]["samples"] == runs[1]["samples"] >= 12 * 1024, "equal samples"
+        assert [r["library"] for r in runs] == ["assay", "saelens"]
+        for run in runs:
+            metrics = run["metrics"]
+            assert run["precision"] == "bf16" and 0 < metrics["mcc"] <= 1 and 0 <= metrics["f1"] <= 1
+            assert 0 < metrics["fvu"] < 100 and metrics["l0"] > 0
+        assert runs[0]["metrics"]["fvu"] < 1  # assay's; SAELens's can still be above 1 after 12 steps
+
+
+def test_the_copy_is_what_the_benchmark_imports(copy: Path) -> None:
+    probe = "import sae_lens as s, transformer_lens as t, wandb as w\n"
+    probe += "print(s.__file__, t.__file__, w.__file__)"
+    paths = _run(["-c", f"import sys; sys.path.insert(0, {str(copy)!r}); {probe}"], [ROOT]).split()
+    assert len(paths) == 3 and all(p.startswith(str(copy)) for p in paths)
