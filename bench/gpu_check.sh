@@ -30,6 +30,8 @@ if ls .whl/peers/*.whl >/dev/null 2>&1; then
         && export PYTHONPATH=/tmp/peers${PYTHONPATH:+:$PYTHONPATH}
     "$PY" -c "import bergson.__main__" && PEER=$PY || echo "bergson does not import here: build-smol runs without it"
 fi
+# what the peers import, present or not (the image's package list has not always held)
+"$PY" -c "import importlib.util as u; names = 'datasets einops jaxtyping optree pandas peft pyarrow scipy simple_parsing torchopt xxhash'.split(); print('modules missing here:', [n for n in names if u.find_spec(n) is None] or 'none')"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 # the bundled ABC tunes, prepared here (the device cannot fetch the music21 wheel they come from)
 if [ -d .gpu/cache/datasets/abc-tunes ]; then export ASSAY_CACHE=$PWD/.gpu/cache; fi

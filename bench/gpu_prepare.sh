@@ -18,12 +18,13 @@ for pkg in tyro docstring-parser typeguard; do
 done
 ls -la .gpu/cache/datasets/abc-tunes .whl
 
-# bergson 2.5.1 and what it imports that the device image lacks (Python 3.12 there; optree compiled)
+# bergson 2.5.1 and what it and the SAELens copy import that the device image lacks (Python 3.12
+# there; optree compiled)
 mkdir -p .whl/peers
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl/peers \
     bergson==2.5.1 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 simple-parsing==0.1.9 \
-    petname==2.9 natsort==8.4.0 torchopt==0.7.3 optree==0.20.0 graphviz==0.21
+    petname==2.9 natsort==8.4.0 torchopt==0.7.3 optree==0.20.0 graphviz==0.21 einops==0.8.2
 
 # SAELens's synthetic-activation generator and trainer, out of the peers' environment `make
 # test-interop` builds (the sae-synthetic step puts it on sys.path, no other step sees it)
