@@ -16,7 +16,7 @@ and are scored through the SAELens-format folder they save. Results go to
 OUT/synthetic_stream.json after every SAE, keyed library-architecture.
 Not the released 16k world itself (a Hub download): the same recipe at its size, seed --seed.
 
-  python3 bench/sae_synthetic_stream.py --device cuda --out OUT          (PYTHONPATH: sae_lens)
+  python3 bench/sae_synthetic_stream.py --device cuda --out OUT --saelens_path .gpu/synth
   python  bench/sae_synthetic_stream.py --device cpu --smoke --out /tmp/s  (the CPU path)
 
 SAELens is never a dependency of assay: on this machine it comes from the peers' environment
@@ -136,7 +136,7 @@ def run(args: argparse.Namespace) -> None:
             start = time.perf_counter()
             rec, metrics, pending[name] = TRAINERS[library](args, arch, model, scale, gt, steps, k, pool)
             rec = {**rec, "samples": steps * args.batch, "steps": steps}
-            rec["train_s"] = round(time.perf_counter() - start, 1)
+            rec["wall_s"] = round(time.perf_counter() - start, 1)  # training and detection metrics
             result["runs"][name] = {**rec, "metrics": metrics}  # metrics["precision"]: the detection's
             print(json.dumps({"run": name, "samples": rec["samples"], **metrics}), flush=True)
             out.write_text(json.dumps(result, indent=1, default=str) + "\n")
