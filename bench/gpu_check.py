@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from machine import header, machine  # noqa: E402
 
 BENCH = Path(__file__).parent
+ASSAY = [sys.executable, "-m", "assay"]
 SAELENS_COPY = BENCH.parent / ".gpu" / "synth"  # bench/gpu_prepare.sh (bench/saelens_copy.py)
 
 
@@ -155,115 +156,85 @@ def run_step(name: str, cmd: list[str], limit: int, out: Path, results: dict) ->
     return record
 
 
-def steps(
-    sizes: Sizes, device: str, out: Path, work: Path, peer_python: str = ""
-) -> list[tuple[str, list[str], int]]:
-    """(name, command, time limit in s) of every step, in order; `peer_python` runs bergson."""
-    py = sys.executable
+Step = tuple[str, list[str], int]
+"""(name, command, time limit in s)."""
+
+
+def steps(sizes: Sizes, device: str, out: Path, work: Path, peer_python: str = "") -> list[Step]:
+    """Every step, in order; `peer_python` runs bergson beside build-smol."""
     smol, big = work / "smol", work / "big"
+    build = _bench_build(sizes, device)
+    smol_build = [*build, "--model", str(smol), "--tokens", str(sizes.build_tokens)]
+    peer = ["--peer_python", peer_python] if peer_python else []
+    both = [*smol_build, "--precisions", "fp32", "bf16", "--out", str(out / "build_smol.json"), *peer]
     todo = [
-        (
-            "model-smol",
-            [py, str(BENCH / "random_model.py"), sizes.smol_shape, str(smol), "--device", device],
-            120,
-        )
-    ]
-    build = [
-        py,
-        str(BENCH / "bench_build.py"),
-        "--device",
-        device,
-        "--token_batch_size",
-        str(sizes.token_batch),
-    ]
-    build += ["--repeats", str(sizes.repeats), "--process_repeats", "1", "--floors", *sizes.floors]
-    todo.append(
-        (
-            "build-smol",
-            [
-                *build,
-                "--model",
-                str(smol),
-                "--tokens",
-                str(sizes.build_tokens),
-                "--precisions",
-                "fp32",
-                "bf16",
-            ]
-            + ["--out", str(out / "build_smol.json")]
-            + (["--peer_python", peer_python] if peer_python else []),
-            240,
-        )
-    )
+        _model("model-smol", sizes.smol_shape, smol, device),
+        ("build-smol", both, 240),
+        *_index_and_scores(sizes, device, smol, work),
+        *_sae_trainings(sizes, device, smol, work),
+        # after the eager steps: a compile's first run is the likeliest to overrun what is left
+        ("build-compiled", [*smol_build, "--precisions", "bf16", "--compiled_collector", "--no_process",
+                            "--out", str(out / "build_compiled.json")], 150),
+        ("callback", _callback(sizes, device, smol, out), 150),
+        ("sae-synthetic", _synthetic(sizes, device, out), 540),
+    ]  # fmt: skip
+    if sizes.big_shape:  # last: the most expensive, and the first to go when time runs short
+        big_build = [*build, "--model", str(big), "--tokens", str(sizes.big_tokens), "--precisions", "bf16"]
+        todo.append(_model("model-big", sizes.big_shape, big, device))
+        todo.append(("build-1b", [*big_build, "--out", str(out / "build_1b.json")], 200))
+    return todo
+
+
+def _model(name: str, shape: str, folder: Path, device: str) -> Step:
+    return name, [sys.executable, str(BENCH / "random_model.py"), shape, str(folder), "--device", device], 120
+
+
+def _bench_build(sizes: Sizes, device: str) -> list[str]:
+    cmd = [sys.executable, str(BENCH / "bench_build.py"), "--device", device]
+    cmd += ["--token_batch_size", str(sizes.token_batch), "--repeats", str(sizes.repeats)]
+    return [*cmd, "--process_repeats", "1", "--floors", *sizes.floors]
+
+
+def _index_and_scores(sizes: Sizes, device: str, model: Path, work: Path) -> list[Step]:
+    """The index of bf16 rows stored as fp16 with TrackStar's statistics, then both scorings."""
     index = work / "run-index"
-    cmd = [
-        py,
-        "-m",
-        "assay",
-        "build",
-        str(index),
-        "--model",
-        str(smol),
-        "--dataset",
-        "abc-tunes",
-        "--device",
-        device,
-    ]
+    cmd = [*ASSAY, "build", str(index), "--model", str(model), "--dataset", "abc-tunes", "--device", device]
     cmd += ["--precision", "bf16", "--store_dtype", "float16", "--preconditioner", "trackstar", "--overwrite"]
     cmd += ["--token_batch_size", str(sizes.token_batch)]
     cmd += ["--max_samples", str(sizes.index_samples)] if sizes.index_samples else []
-    todo.append(("index", cmd, 240))
+    todo: list[Step] = [("index", cmd, 240)]
     for mode in ("trackstar", "inner"):
-        cmd = [py, "-m", "assay", "score", str(work / f"run-score-{mode}"), "--index", str(index)]
+        cmd = [*ASSAY, "score", str(work / f"run-score-{mode}"), "--index", str(index)]
         cmd += ["--query_dataset", "abc-tunes", "--query_max_samples", str(sizes.queries), "--mode", mode]
         todo.append((f"score-{mode}", [*cmd, "--device", device, "--overwrite"], 120))
+    return todo
+
+
+def _sae_trainings(sizes: Sizes, device: str, model: Path, work: Path) -> list[Step]:
+    todo: list[Step] = []
     for compiled in (False, True):
         name = "sae-compiled" if compiled else "sae"
-        cmd = [py, "-m", "assay", "sae", "train", str(work / f"run-{name}"), "--model", str(smol)]
+        cmd = [*ASSAY, "sae", "train", str(work / f"run-{name}"), "--model", str(model)]
         cmd += ["--dataset", "abc-tunes", "--hookpoint", sizes.sae_hookpoint, "--architecture", "topk"]
         cmd += ["--training_tokens", str(sizes.sae_tokens), "--precision", "bf16", "--device", device]
         cmd += ["--browser_latents", "0", "--overwrite", "--compile" if compiled else "--no-compile"]
         todo.append((name, cmd, 150))
-    # after the eager steps: a compile's first run is the likeliest to overrun what is left
-    compiled = [*build, "--model", str(smol), "--tokens", str(sizes.build_tokens), "--precisions", "bf16"]
-    compiled += ["--compiled_collector", "--no_process", "--out", str(out / "build_compiled.json")]
-    todo.append(("build-compiled", compiled, 150))
+    return todo
+
+
+def _callback(sizes: Sizes, device: str, model: Path, out: Path) -> list[str]:
     batch, seq_len = sizes.callback_batch
-    cmd = [py, str(BENCH / "bench_callback.py"), "--model", str(smol), "--device", device]
+    cmd = [sys.executable, str(BENCH / "bench_callback.py"), "--model", str(model), "--device", device]
     cmd += ["--steps", str(sizes.callback_steps), "--batch_size", str(batch), "--seq_len", str(seq_len)]
-    cmd += ["--normalizers", "adafactor", "--alternate", "--out", str(out / "callback.json")]
-    todo.append(("callback", cmd, 150))
-    cmd = [
-        py,
-        str(BENCH / "sae_synthetic_stream.py"),
-        "--device",
-        device,
-        "--out",
-        str(out),
-        *sizes.synthetic,
-        "--seconds",
-        str(sizes.synthetic_seconds),
-    ]
+    return [*cmd, "--normalizers", "adafactor", "--alternate", "--out", str(out / "callback.json")]
+
+
+def _synthetic(sizes: Sizes, device: str, out: Path) -> list[str]:
+    cmd = [sys.executable, str(BENCH / "sae_synthetic_stream.py"), "--device", device, "--out", str(out)]
+    cmd += [*sizes.synthetic, "--seconds", str(sizes.synthetic_seconds)]
     if SAELENS_COPY.is_dir():  # SAELens for this step alone (its W&B stub must not reach Trainer)
         cmd += ["--saelens_path", str(SAELENS_COPY)]
-    todo.append(("sae-synthetic", cmd, 540))
-    if sizes.big_shape:  # last: the most expensive, and the first to go when time runs short
-        todo.append(
-            (
-                "model-big",
-                [py, str(BENCH / "random_model.py"), sizes.big_shape, str(big), "--device", device],
-                120,
-            )
-        )
-        todo.append(
-            (
-                "build-1b",
-                [*build, "--model", str(big), "--tokens", str(sizes.big_tokens), "--precisions", "bf16"]
-                + ["--out", str(out / "build_1b.json")],
-                200,
-            )
-        )
-    return todo
+    return cmd
 
 
 def selected(name: str, only: list[str]) -> bool:
