@@ -6,6 +6,7 @@ from typing import Any
 
 from assay.attribution.build import BuildConfig, build_index
 from assay.core.console import say
+from assay.core.runs import final_location
 
 Config = BuildConfig
 
@@ -15,10 +16,10 @@ def run(cfg: BuildConfig) -> dict[str, Any]:
     if cfg.append:
         speed = f"; {summary['tokens_per_s']:,.0f} tokens/s" if "tokens_per_s" in summary else ""
         added, total = summary["appended"], summary["num_examples"]
-        say(f"index {cfg.out}: appended {added} examples, {total} in all{speed}")
+        say(f"index {final_location(cfg.out)}: appended {added} examples, {total} in all{speed}")
         return summary
     say(
-        f"index {cfg.out}: {summary['num_examples']} examples × {summary['dim']} dims "
+        f"index {final_location(cfg.out)}: {summary['num_examples']} examples × {summary['dim']} dims "
         f"({len(summary['modules'])} modules, p={cfg.projection_dim}, {summary['precision']}, "
         f"stored {cfg.store_dtype}); {summary['tokens_per_s']:,.0f} tokens/s"
     )

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from assay.core.console import say
+from assay.core.runs import final_location
 from assay.selection.coreset import CoresetConfig, run_experiment
 
 Config = CoresetConfig
@@ -14,5 +15,5 @@ Config = CoresetConfig
 def run(cfg: CoresetConfig) -> dict[str, Any]:
     results = run_experiment(cfg)
     say((Path(cfg.out) / "results.md").read_text())
-    say(f"results in {cfg.out}/ (results.md, results.json, curves.png)")
+    say(f"results in {final_location(cfg.out)}/ (results.md, results.json, curves.png)")
     return results

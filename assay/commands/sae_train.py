@@ -15,7 +15,14 @@ from typing import Any
 from assay.core.console import note, say
 from assay.core.distributed import Distributed
 from assay.core.errors import AssayError
-from assay.core.runs import DONE_FILE, config_from_dict, config_to_dict, load_run_config, read_json
+from assay.core.runs import (
+    DONE_FILE,
+    config_from_dict,
+    config_to_dict,
+    final_location,
+    load_run_config,
+    read_json,
+)
 from assay.sae.config import SaeTrainConfig
 from assay.sae.features import FEATURES_FILE, browse_sae_run
 from assay.sae.train import train_sae
@@ -122,7 +129,8 @@ def run(cfg: SaeTrainCommandConfig) -> dict[str, Any]:
     else:
         summary = train_sae(cfg)
         say(format_summary(summary))
-        say(f"saved to {cfg.out} (SAELens format: cfg.json + sae_weights.safetensors; metrics.jsonl)")
+        saved = "SAELens format: cfg.json + sae_weights.safetensors; metrics.jsonl"
+        say(f"saved to {final_location(cfg.out)} ({saved})")
     write_feature_browser(cfg, cfg.browser_latents, cfg.browser_examples)
     return summary
 

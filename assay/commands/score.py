@@ -50,6 +50,7 @@ from assay.core.runs import (
     CONFIG_FILE,
     DONE_FILE,
     config_from_dict,
+    final_location,
     load_run_config,
     read_json,
     run_folder,
@@ -193,13 +194,19 @@ def checked_query_gradients(
     return queries, grads
 
 
+def say_results(cfg: ScoreConfig) -> None:
+    """Where the scores are (once the run, and any run it is a stage of, has finished)."""
+    saved = "top.jsonl, queries.jsonl" + (", scores.npy" if cfg.save_scores else "")
+    say(f"results in {final_location(cfg.out)}/ ({saved})")
+
+
 def run_score(cfg: ScoreConfig) -> dict[str, Any]:
     """Compute the queries' gradients like the index's, score, write OUT, print the table (or, with
     --finetune, the metagradient scores)."""
     if cfg.finetune is not None:
         summary, records, query_texts, texts = replay_score(cfg)
         print_table(records, query_texts, texts, cfg.show)
-        say(f"results in {cfg.out}/ (top.jsonl, queries.jsonl{', scores.npy' if cfg.save_scores else ''})")
+        say_results(cfg)
         return summary
     if cfg.corpus.model is not None:
         from assay.commands.score_stream import stream_run  # it builds on this module
@@ -248,7 +255,7 @@ def run_score(cfg: ScoreConfig) -> dict[str, Any]:
         }
         write_json(run.path / "summary.json", summary)
     print_table(records, dict(zip(queries.ids, queries.texts)), texts, cfg.show)
-    say(f"results in {cfg.out}/ (top.jsonl, queries.jsonl{', scores.npy' if cfg.save_scores else ''})")
+    say_results(cfg)
     return summary
 
 

@@ -21,9 +21,9 @@ from assay.commands.score import (
     checked_query_gradients,
     dense_records,
     print_table,
+    say_results,
 )
 from assay.commands.score_tokens import TOKENS_FILE, write_tokens
-from assay.core.console import say
 from assay.core.disk import open_memmap_reserved
 from assay.core.distributed import Distributed
 from assay.core.errors import AssayError
@@ -75,7 +75,7 @@ def stream_run(cfg: ScoreConfig) -> dict[str, Any]:
         summary = _summary(cfg, result, len(queries.ids), len(examples), setup.policy.name)
         write_json(run.path / "summary.json", summary)
     print_table(records, dict(zip(queries.ids, queries.texts)), texts, cfg.show)
-    say(f"results in {cfg.out}/ (top.jsonl, queries.jsonl{', scores.npy' if cfg.save_scores else ''})")
+    say_results(cfg)
     return summary
 
 

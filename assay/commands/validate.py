@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from assay.core.console import say
+from assay.core.runs import final_location
 from assay.counterfactual.validate import ValidateConfig, validate
 
 Config = ValidateConfig
@@ -15,5 +16,6 @@ def run(cfg: ValidateConfig) -> dict[str, Any]:
     result = validate(cfg)
     if result:
         say((Path(cfg.out) / "lds.md").read_text())
-        say(f"results in {cfg.out}/ (lds.json, lds.md, lds.png; ground truth in {cfg.out}/ground_truth)")
+        out = final_location(cfg.out)
+        say(f"results in {out}/ (lds.json, lds.md, lds.png; ground truth in {out}/ground_truth)")
     return result

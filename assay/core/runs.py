@@ -45,6 +45,21 @@ BOOKKEEPING = (CONFIG_FILE, INPUTS_FILE, LOCK_FILE)
 """What a `.part` holds before any work is done."""
 
 
+PART = ".part"
+"""Suffix of a run folder while it is written (`OUT.part/` until it is renamed `OUT/`)."""
+
+
+def final_location(path: Path | str) -> Path:
+    """Where `path` will be once the runs it lies in have finished: every `NAME.part` component
+    that is a run being written (it holds a config.json) read as `NAME`. For messages: a stage of
+    a larger run (`assay demo`'s) writes inside its parent's `.part`, which is renamed at the end."""
+    parts, shown = Path(path).parts, []
+    for i, part in enumerate(parts):
+        writing = part.endswith(PART) and (Path(*parts[: i + 1]) / "config.json").exists()
+        shown.append(part[: -len(PART)] if writing else part)
+    return Path(*shown)
+
+
 def package_version() -> str:
     """The installed assay version (or "dev" when running from a bare checkout)."""
     from importlib.metadata import PackageNotFoundError, version  # lazy: --version and run records only
@@ -162,7 +177,7 @@ class RunFolder:
         resumable: bool = True,
     ):
         self.final = Path(out)
-        self.path = self.final.with_name(self.final.name + ".part")
+        self.path = self.final.with_name(self.final.name + PART)
         self.command = command
         self.record: dict[str, Any] = {
             "command": command,
@@ -380,7 +395,7 @@ def check_inputs(run: RunFolder, inputs: dict[str, str]) -> None:
 def load_run_config(run_dir: Path | str) -> dict[str, Any]:
     """The saved `config.json` of a finished or interrupted run."""
     run_dir = Path(run_dir)
-    for candidate in (run_dir, run_dir.with_name(run_dir.name + ".part")):
+    for candidate in (run_dir, run_dir.with_name(run_dir.name + PART)):
         if (candidate / CONFIG_FILE).exists():
             return typing.cast(dict[str, Any], read_json(candidate / CONFIG_FILE))
     raise AssayError(f"{run_dir} is not an assay run folder (no {CONFIG_FILE})")

@@ -6,7 +6,7 @@ import pytest
 
 from assay.core.config import DataConfig, ModelConfig
 from assay.core.errors import AssayError
-from assay.core.runs import RunFolder, config_from_dict, config_to_dict, read_json, run_folder
+from assay.core.runs import RunFolder, config_from_dict, config_to_dict, final_location, read_json, run_folder
 
 
 @dataclass
@@ -55,3 +55,20 @@ def test_resume_refuses_other_settings_by_name(tmp_path):
     first.close()
     with pytest.raises(AssayError, match=r"another --modules \(\['a\*'\], now \['b\*'\]\).*assay replay"):
         RunFolder(out, "test", _Cfg(out=str(out), modules=("b*",))).open()
+
+
+def test_messages_name_a_stage_where_it_will_be_once_its_parent_run_finishes(tmp_path):
+    @dataclass
+    class Cfg:
+        n: int = 1
+
+    with run_folder(tmp_path / "demo", "demo", Cfg()) as parent:
+        stage = parent.path / "index"  # a stage writes inside the parent's .part
+        assert parent.path.name == "demo.part"
+        assert final_location(stage) == tmp_path / "demo" / "index"
+        with run_folder(stage, "build", Cfg()) as inner:
+            assert final_location(inner.path) == tmp_path / "demo" / "index"
+    assert (tmp_path / "demo" / "index").is_dir()
+    # a folder that merely ends in .part, with no run in it, keeps its name
+    (tmp_path / "notes.part").mkdir()
+    assert final_location(tmp_path / "notes.part" / "x") == tmp_path / "notes.part" / "x"
