@@ -78,9 +78,10 @@ def train_step(
     target [N, d_out])."""
     for group in opt.param_groups:
         group["lr"] = lr * group.get("lr_scale", 1.0)  # JumpReLU's thresholds: their own multiple
-    mask = dead.aux_mask().to(x.device)
+    aux = dead.aux_mask()  # on the host: asking whether any latent is dead costs no device sync
+    mask = aux.to(x.device) if bool(aux.any()) else None
     with policy.autocast():  # encode, decode, losses
-        out = sae.train_forward(x, mask if bool(mask.any()) else None, sparsity_coef, target)
+        out = sae.train_forward(x, mask, sparsity_coef, target)
     out.loss.backward()  # outside autocast: gradients land in the fp32 parameters
     # Data-parallel: every rank holds an equal share of the global batch and the loss is a
     # per-token mean, so the mean of the ranks' gradients is the global batch's gradient.
