@@ -73,7 +73,9 @@ class Sizes:
     synthetic_seconds: float = 30.0
     """bench/sae_synthetic_stream.py's training time per assay SAE (SAELens's trains as many
     samples, at its own speed)."""
-    synthetic: list[str] = field(default_factory=lambda: ["--libraries", "assay", "saelens"])
+    synthetic: list[str] = field(
+        default_factory=lambda: ["--libraries", "assay", "saelens", "--profile_steps", "30"]
+    )
     """bench/sae_synthetic_stream.py's other size arguments."""
     # no sdpa-packed: each batch as one row with restarting positions ran at 0.43x sdpa's rate on the
     # H200 (fp32; SDPA over the whole row), and "segments" packs the same row with batched attention

@@ -140,11 +140,27 @@ def run(args: argparse.Namespace) -> None:
             result["runs"][name] = {**rec, "metrics": metrics}  # metrics["precision"]: the detection's
             print(json.dumps({"run": name, "samples": rec["samples"], **metrics}), flush=True)
             out.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    if args.profile_steps:  # while the MCCs are computed on the CPU
+        profile(args, args.archs[0], model, scale, k)
     for name, future in pending.items():
         result["runs"][name]["metrics"]["mcc"] = future.result()
         print(f"{name}: MCC {result['runs'][name]['metrics']['mcc']:.3f}", flush=True)
         out.write_text(json.dumps(result, indent=1, default=str) + "\n")
     pool.shutdown()
+
+
+def profile(args: argparse.Namespace, arch: str, model: Any, scale: float, k: int) -> None:
+    """Where an assay SAE's steps spend their time (generator draws included): torch.profiler's
+    table of the ops with the most device time (host time on a CPU), printed to the log."""
+    from torch.profiler import ProfilerActivity
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
+    first = next(stream(model, args, scale))
+    with torch.profiler.profile(activities=activities) as prof:
+        train_assay(args, arch, args.precision, stream(model, args, scale), first, args.profile_steps, k)
+    key = "self_cuda_time_total" if args.device.startswith("cuda") else "self_cpu_time_total"
+    print(f"profile: {args.profile_steps} steps of {arch}", flush=True)
+    print(prof.key_averages().table(sort_by=key, row_limit=20), flush=True)
 
 
 def length(args: argparse.Namespace, arch: str, model: Any, scale: float, k: int) -> int:
@@ -219,6 +235,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--l1_coefficient", type=float, default=5.0)
     p.add_argument("--jumprelu_init_threshold", type=float, default=0.01)
     p.add_argument("--jumprelu_threshold_lr", type=float, default=None)
+    p.add_argument(
+        "--profile_steps", type=int, default=0, help="profile this many steps of the first architecture"
+    )
     p.add_argument(
         "--saelens_path",
         type=Path,
