@@ -55,7 +55,7 @@ def final_location(path: Path | str) -> Path:
     a larger run (`assay demo`'s) writes inside its parent's `.part`, which is renamed at the end."""
     parts, shown = Path(path).parts, []
     for i, part in enumerate(parts):
-        writing = part.endswith(PART) and (Path(*parts[: i + 1]) / "config.json").exists()
+        writing = part.endswith(PART) and (Path(*parts[: i + 1]) / CONFIG_FILE).exists()
         shown.append(part[: -len(PART)] if writing else part)
     return Path(*shown)
 
