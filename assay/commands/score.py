@@ -40,9 +40,10 @@ from assay.bridge.latent import (
     most_active_latent,
     silent_queries,
 )
+from assay.commands.score_table import print_results
 from assay.commands.score_tokens import index_tokens
 from assay.core.config import DataConfig, QueryConfig
-from assay.core.console import note, say
+from assay.core.console import note
 from assay.core.disk import open_memmap_reserved
 from assay.core.distributed import Distributed
 from assay.core.errors import AssayError
@@ -50,7 +51,6 @@ from assay.core.runs import (
     CONFIG_FILE,
     DONE_FILE,
     config_from_dict,
-    final_location,
     load_run_config,
     read_json,
     run_folder,
@@ -194,19 +194,12 @@ def checked_query_gradients(
     return queries, grads
 
 
-def say_results(cfg: ScoreConfig) -> None:
-    """Where the scores are (once the run, and any run it is a stage of, has finished)."""
-    saved = "top.jsonl, queries.jsonl" + (", scores.npy" if cfg.save_scores else "")
-    say(f"results in {final_location(cfg.out)}/ ({saved})")
-
-
 def run_score(cfg: ScoreConfig) -> dict[str, Any]:
     """Compute the queries' gradients like the index's, score, write OUT, print the table (or, with
     --finetune, the metagradient scores)."""
     if cfg.finetune is not None:
         summary, records, query_texts, texts = replay_score(cfg)
-        print_table(records, query_texts, texts, cfg.show)
-        say_results(cfg)
+        print_results(records, query_texts, texts, cfg.show, cfg.out, cfg.save_scores)
         return summary
     if cfg.corpus.model is not None:
         from assay.commands.score_stream import stream_run  # it builds on this module
@@ -254,15 +247,14 @@ def run_score(cfg: ScoreConfig) -> dict[str, Any]:
             "rows_per_s": len(index) / max(seconds, 1e-9),
         }
         write_json(run.path / "summary.json", summary)
-    print_table(records, dict(zip(queries.ids, queries.texts)), texts, cfg.show)
-    say_results(cfg)
+    print_results(records, dict(zip(queries.ids, queries.texts)), texts, cfg.show, cfg.out, cfg.save_scores)
     return summary
 
 
 def write_train_texts(path: Path, index: GradientIndex, records: list[dict], show: int) -> dict[int, str]:
     """Write {id, loss, text} of every training example the first REPORT_RECORDS records list (text
     null when the index's dataset can no longer be loaded); returns those texts and the texts of
-    the examples `print_table` shows, read in one go."""
+    the examples `print_results` shows, read in one go."""
     listed = {int(pid) for r in records[:REPORT_RECORDS] for pid, _ in r["proponents"] + r["opponents"]}
     printed = {int(pid) for r in records for pid, _ in r["proponents"][:show] + r["opponents"][:1]}
     texts = train_texts(index, listed | printed)
@@ -364,26 +356,6 @@ def dense_records(ids: np.ndarray, query_ids: list[Any], top: TopRows, aggregate
             record[key] = [[int(ids[r]), float(v)] for r, v in zip(rows[col].tolist(), values[col].tolist())]
         records.append(record)
     return records
-
-
-def fold(text: str, width: int = 90) -> str:
-    """One line: newlines shown as ' / ', cut to `width` characters."""
-    line = " / ".join(part.strip() for part in text.strip().splitlines() if part.strip())
-    return line if len(line) <= width else line[: width - 1] + "…"
-
-
-def print_table(records: list[dict], query_texts: dict[Any, str], texts: dict[int, str], show: int) -> None:
-    """Each query's text, then its top proponents: rank, score, train id, text."""
-    for r in records:
-        label = r["query"]
-        text = query_texts.get(label) or f"{label} of {len(r.get('queries', []))} queries"
-        say(f"\nquery {label}: {fold(text)}")
-        say(f"  {'rank':>4}  {'score':>8}  {'train id':>8}  text")
-        for rank, (pid, value) in enumerate(r["proponents"][:show], 1):
-            say(f"  {rank:>4}  {value:>8.4f}  {pid:>8}  {fold(texts.get(pid, ''), 70)}")
-        if r["opponents"]:
-            pid, value = r["opponents"][0]
-            say(f"  {'opp.':>4}  {value:>8.4f}  {pid:>8}  {fold(texts.get(pid, ''), 70)}")
 
 
 def pick_latent(cfg: ScoreConfig, sae_dir: str) -> int:

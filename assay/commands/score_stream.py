@@ -20,9 +20,8 @@ from assay.commands.score import (
     ScoreConfig,
     checked_query_gradients,
     dense_records,
-    print_table,
-    say_results,
 )
+from assay.commands.score_table import print_results
 from assay.commands.score_tokens import TOKENS_FILE, write_tokens
 from assay.core.disk import open_memmap_reserved
 from assay.core.distributed import Distributed
@@ -74,8 +73,7 @@ def stream_run(cfg: ScoreConfig) -> dict[str, Any]:
             )
         summary = _summary(cfg, result, len(queries.ids), len(examples), setup.policy.name)
         write_json(run.path / "summary.json", summary)
-    print_table(records, dict(zip(queries.ids, queries.texts)), texts, cfg.show)
-    say_results(cfg)
+    print_results(records, dict(zip(queries.ids, queries.texts)), texts, cfg.show, cfg.out, cfg.save_scores)
     return summary
 
 
