@@ -22,8 +22,8 @@ bundled ABC tunes:
                (--synthetic_seconds sets its training time per SAE)
 bergson is not on the device image and it has no network: bench/gpu_prepare.sh downloads its wheels
 (.whl/peers) and bench/gpu_check.sh installs them, then build-smol times `bergson build` beside
-`assay build` on the same GPU (--peer_python). SAELens's trainer needs TransformerLens and more:
-compare it on the CPU (bench_sae_peers.py).
+`assay build` on the same GPU (--peer_python). SAELens comes as bench/saelens_copy.py's copy, for
+sae-synthetic alone; its SAEs on LM activations are compared on the CPU (bench_sae_peers.py).
 
     python3 bench/gpu_check.py --device cuda --out $OUT
     .venv/bin/python bench/gpu_check.py --device cpu --smoke --out /tmp/gpu-smoke    # the CPU path

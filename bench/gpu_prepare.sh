@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # What bench/gpu_check.sh needs on the GPU machine and cannot fetch there (it has no network), made
 # here: the bundled ABC tunes in .gpu/cache (ASSAY_CACHE there), the wheels of assay's CLI
-# dependencies missing from the device image (tyro and its two) in .whl/, bergson's in .whl/peers, and SAELens's synthetic
-# generator and trainer in .gpu/synth for bench/sae_synthetic_stream.py. Both folders are ignored by git and
-# carried by the device call: carry=[".gpu", ".whl"] (a few MB).
+# dependencies missing from the device image (tyro and its two) in .whl/, bergson's in .whl/peers,
+# and SAELens's synthetic generator and trainer in .gpu/synth for bench/sae_synthetic_stream.py.
+# Both folders are ignored by git and carried by the device call: carry=[".gpu", ".whl"] (a few MB).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}

@@ -130,11 +130,13 @@ def run(args: argparse.Namespace) -> None:
     pool = ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn"))
     pending: dict[str, Future] = {}
     for arch in args.archs:
-        steps = length(args, arch, model, scale, k)
+        first = next(stream(model, args, scale))  # every run's batch 0 (b_dec, the encoder's scale)
+        steps = length(args, arch, model, scale, first, k)
         for library in args.libraries:
             name = f"{library}-{arch}"
             start = time.perf_counter()
-            rec, metrics, pending[name] = TRAINERS[library](args, arch, model, scale, gt, steps, k, pool)
+            trainer = TRAINERS[library]
+            rec, metrics, pending[name] = trainer(args, arch, model, scale, first, gt, steps, k, pool)
             rec = {**rec, "samples": steps * args.batch, "steps": steps}
             rec["wall_s"] = round(time.perf_counter() - start, 1)  # training and detection metrics
             result["runs"][name] = {**rec, "metrics": metrics}  # metrics["precision"]: the detection's
@@ -163,22 +165,20 @@ def profile(args: argparse.Namespace, arch: str, model: Any, scale: float, k: in
     print(prof.key_averages().table(sort_by=key, row_limit=20), flush=True)
 
 
-def length(args: argparse.Namespace, arch: str, model: Any, scale: float, k: int) -> int:
+def length(args: argparse.Namespace, arch: str, model: Any, scale: float, first: torch.Tensor, k: int) -> int:
     """Batches per SAE of `arch`: as many as assay trains in --seconds at the rate a short probe
     measured (at most --samples); every library trains this many."""
-    first = next(stream(model, args, scale))
     batches = stream(model, args, scale)
     _, _, _, probe = train_assay(args, arch, args.precision, batches, first, PROBE_STEPS, k)
     fit = int(args.seconds * probe["tokens_per_s"] / args.batch)
     return max(PROBE_STEPS, min(args.samples // args.batch, fit))
 
 
-def run_assay(args, arch, model, scale, gt, steps, k, pool) -> tuple[dict, dict, Future]:
+def run_assay(args, arch, model, scale, first, gt, steps, k, pool) -> tuple[dict, dict, Future]:
     """(record, detection metrics, MCC future) of assay's SAE trained on the stream."""
     from assay.sae.optim import averaged
     from assay.sae.train import calibrate_threshold
 
-    first = next(stream(model, args, scale))
     sae, opt, last, rec = train_assay(args, arch, args.precision, stream(model, args, scale), first, steps, k)
     with averaged(opt):  # signum: the averaged point, as assay saves it
         calibrate_threshold(sae, last)
@@ -187,11 +187,10 @@ def run_assay(args, arch, model, scale, gt, steps, k, pool) -> tuple[dict, dict,
     return rec, metrics, mcc
 
 
-def run_saelens(args, arch, model, scale, gt, steps, k, pool) -> tuple[dict, dict, Future]:
+def run_saelens(args, arch, model, scale, first, gt, steps, k, pool) -> tuple[dict, dict, Future]:
     """The same for SAELens's SAE and trainer, saved in its format and scored as assay loads it."""
     from assay.sae.saelens_format import load_sae
 
-    first = next(stream(model, args, scale))
     sae, rec = train_saelens(args, arch, args.precision, stream(model, args, scale), first, steps, k)
     with tempfile.TemporaryDirectory() as folder:
         save_saelens(sae, scale, Path(folder))
