@@ -38,9 +38,11 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import IO
 
 sys.path.insert(0, str(Path(__file__).parent))
 from machine import header, machine  # noqa: E402
@@ -111,7 +113,8 @@ STANDALONE = ("sae-synthetic",)
 
 
 def run_with_stacks(cmd: list[str], limit: int) -> tuple[int, str]:
-    """(rc, stdout and stderr) of `cmd` run under `limit` seconds. A step that overruns gets SIGABRT
+    """(rc, stdout and stderr) of `cmd` run under `limit` seconds, each line echoed as it comes (a
+    device call cut short still shows how far the step got). A step that overruns gets SIGABRT
     first, so that faulthandler prints where each of its threads was (a bare timeout says nothing
     of where the time went), then its whole process group SIGKILL (workers it started would
     otherwise hold the output pipe open); its rc is then 124."""
@@ -119,24 +122,28 @@ def run_with_stacks(cmd: list[str], limit: int) -> tuple[int, str]:
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
     )
-    text = _output(proc, limit)
-    if text is not None:
-        return proc.returncode, text
-    proc.send_signal(signal.SIGABRT)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(15)
+    lines: list[str] = []
+    reader = threading.Thread(target=_echo, args=(proc.stdout, lines), daemon=True)
+    reader.start()
+    try:
+        rc = proc.wait(limit)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(15)
+        rc = 124
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-    return 124, _output(proc, 15) or ""
+    reader.join(15)
+    return rc, "".join(lines)
 
 
-def _output(proc: subprocess.Popen, seconds: float) -> str | None:
-    """All of `proc`'s output once its pipe closes within `seconds`, else None (nothing lost:
-    `communicate` keeps what it read for the next call)."""
-    try:
-        return proc.communicate(timeout=seconds)[0]
-    except subprocess.TimeoutExpired:
-        return None
+def _echo(stream: IO[str], lines: list[str]) -> None:
+    """Keep and print each line of `stream` until it closes (progress-bar lines kept, not printed)."""
+    for line in stream:
+        lines.append(line)
+        if "it/s]" not in line:
+            print(line, end="", flush=True)
 
 
 def run_step(name: str, cmd: list[str], limit: int, out: Path, results: dict) -> dict:
@@ -146,9 +153,8 @@ def run_step(name: str, cmd: list[str], limit: int, out: Path, results: dict) ->
     start = time.perf_counter()
     rc, text = run_with_stacks(cmd, limit)
     wall = time.perf_counter() - start
-    tail = "\n".join(line for line in text.splitlines() if "it/s]" not in line)[-3000:]
-    print(tail, flush=True)
-    record: dict = {"cmd": cmd, "rc": rc, "wall_s": round(wall, 2), "output_tail": tail[-1500:]}
+    tail = "\n".join(line for line in text.splitlines() if "it/s]" not in line)[-1500:]
+    record: dict = {"cmd": cmd, "rc": rc, "wall_s": round(wall, 2), "output_tail": tail}
     folder = next((Path(c) for c in cmd if c.startswith("/tmp/assay-gpu/run-")), None)
     if folder is not None and (folder / "summary.json").exists():
         record["summary"] = json.loads((folder / "summary.json").read_text())
@@ -260,7 +266,11 @@ def main() -> None:
         "--synthetic_seconds", type=float, default=None, help="training seconds per SAE in sae-synthetic"
     )
     ap.add_argument(
-        "--budget", type=float, default=540, help="seconds for all steps: each is cut to what is left"
+        "--budget",
+        type=float,
+        default=540,
+        help="seconds for the whole check, counted from gpu_check.sh's "
+        "start when it ran this (GPU_CHECK_START): each step is cut to what is left",
     )
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -269,14 +279,15 @@ def main() -> None:
     info = machine()
     print(header(info), flush=True)
     results: dict = {"machine": info, "device": args.device, "smoke": args.smoke, "steps": {}}
-    deadline = time.perf_counter() + args.budget
+    # the budget counts from gpu_check.sh's start (GPU_CHECK_START), wheel installs included
+    deadline = float(os.environ.get("GPU_CHECK_START", time.time())) + args.budget
     sizes = SMOKE if args.smoke else Sizes()
     if args.synthetic_seconds is not None:
         sizes = replace(sizes, synthetic_seconds=args.synthetic_seconds)
     for name, cmd, limit in steps(sizes, args.device, args.out, work, args.peer_python):
         if not selected(name, args.only):
             continue
-        left = deadline - time.perf_counter()
+        left = deadline - time.time()
         if left < 20:
             results["steps"][name] = {"cmd": cmd, "rc": None, "skipped": "out of time"}
             continue

@@ -12,6 +12,7 @@
 # The device image has python3 with CUDA torch and transformers but not tyro (assay's CLI) and no
 # network: the wheels in .whl/ are installed into /tmp/site, and assay runs from this tree.
 set -uo pipefail
+export GPU_CHECK_START=${GPU_CHECK_START:-$(date +%s)}  # BUDGET counts from here, installs included
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
 DEVICE=${DEVICE:-cuda}

@@ -70,17 +70,21 @@ def test_bergson_runs_beside_the_build_only_when_a_peer_python_is_given(tmp_path
     assert peer_steps("") == [] and peer_steps("/usr/bin/python3") == ["build-smol"]
 
 
-def test_an_overrunning_step_leaves_its_stack_and_a_finished_one_its_rc():
+def test_an_overrunning_step_leaves_its_stack_and_a_finished_one_its_rc(capsys):
     slow = "import time\ndef waiting_here():\n    time.sleep(60)\nprint('started', flush=True)\n"
     slow += "waiting_here()"
     rc, text = gpu_check.run_with_stacks([sys.executable, "-c", slow], 3)
     assert rc == 124 and "started" in text and "waiting_here" in text
+    assert "started" in capsys.readouterr().out  # echoed as it came, for a call cut short
     # a worker that inherits the output pipe and outlives the step must not hold the check up
     worker = "import subprocess, sys, time\n"
     worker += "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
     start = time.perf_counter()
     rc, _ = gpu_check.run_with_stacks([sys.executable, "-c", worker + "time.sleep(60)"], 3)
     assert rc == 124 and time.perf_counter() - start < 30
+    start = time.perf_counter()  # nor when the step itself finished
+    assert gpu_check.run_with_stacks([sys.executable, "-c", worker], 30) == (0, "")
+    assert time.perf_counter() - start < 10
     failing = [sys.executable, "-c", "print('x'); raise SystemExit(3)"]
     assert gpu_check.run_with_stacks(failing, 30) == (3, "x\n")
 
