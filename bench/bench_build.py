@@ -49,7 +49,15 @@ from assay.lm.lean import keep_compute_casts
 from assay.lm.models import load_model, load_tokenizer, resolve_model_path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from floors import FLOORS, available, floor_batches, floor_pass, load_floor_models, time_alternating  # noqa: E402
+from floors import (  # noqa: E402
+    FLOORS,
+    available,
+    floor_batches,
+    floor_pass,
+    load_floor_models,
+    profile_table,
+    time_alternating,
+)
 from machine import header, machine  # noqa: E402
 
 
@@ -120,6 +128,8 @@ class LoopOptions:
     warm-up round takes the compilation."""
     statistic: str = "median"
     """median, or min (on a loaded machine the least disturbed round)."""
+    profile_rows: int = 0
+    """After timing, print torch.profiler's costliest ops of one floor pass and one of ours."""
 
 
 def loop_benchmark(model_name: str, data: Path, opt: LoopOptions) -> dict:
@@ -164,6 +174,9 @@ def loop_benchmark(model_name: str, data: Path, opt: LoopOptions) -> dict:
     stat = min if opt.statistic == "min" else statistics.median
     tok_s = {name: tokens / stat(t) for name, t in times.items()}
     floor = max((f"floor:{n}" for n in runnable), key=lambda n: tok_s[n])
+    for name in (floor, "ours") if opt.profile_rows else ():
+        print(f"profile of one {name} pass ({opt.precision}):", flush=True)
+        print(profile_table(passes[name], policy.device, opt.profile_rows), flush=True)
     extra: dict = {}
     if "fp32_projection" in times:
         extra["fp32_projection_tok_s"] = tok_s["fp32_projection"]
@@ -339,6 +352,14 @@ def parser() -> argparse.ArgumentParser:
         default="median",
         help="over the timed rounds; min is the least disturbed round on a loaded machine",
     )
+    ap.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="ROWS",
+        help="after timing, print torch.profiler's ROWS costliest ops (device self time) of one "
+        "pass of the fastest floor and one of `assay build`'s loop",
+    )
     ap.add_argument("--out", default="", help="write the results as JSON here")
     return ap
 
@@ -369,6 +390,7 @@ def main() -> None:
                     padded_collector=args.padded_collector,
                     compiled_collector=args.compiled_collector,
                     statistic=args.statistic,
+                    profile_rows=args.profile,
                 )
                 loop = loop_benchmark(args.model, data, opt)
                 rows[precision] = loop.pop("rows")

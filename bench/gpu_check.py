@@ -6,7 +6,8 @@ Steps, on random Llamas (bench/random_model.py; the weights do not matter for sp
 bundled ABC tunes:
   build-smol   bench/bench_build.py on SmolLM2-135M's shape: the floors (eager, SDPA masked,
                SDPA causal, segments, flash-attn varlen where installed) against `assay build`'s
-               loop, fp32 and bf16, and one whole `assay build --device cuda` per precision
+               loop, fp32 and bf16, and one whole `assay build --device cuda` per precision;
+               torch.profiler's costliest CUDA kernels of one floor pass and one of the loop
   index        `assay build` of 4,000 tunes (bf16, fp16 rows, TrackStar statistics) for scoring
   score-*      `assay score --device cuda` of 16 held-out tunes, trackstar and inner
   sae, sae-compiled  `assay sae train --device cuda` (TopK, bf16) without and with --compile
@@ -175,6 +176,7 @@ def steps(sizes: Sizes, device: str, out: Path, work: Path, peer_python: str = "
     smol_build = [*build, "--model", str(smol), "--tokens", str(sizes.build_tokens)]
     peer = ["--peer_python", peer_python] if peer_python else []
     both = [*smol_build, "--precisions", "fp32", "bf16", "--out", str(out / "build_smol.json"), *peer]
+    both += ["--profile", "25"]  # where the loop's time goes beside the floor's (bf16 was 1.30x)
     todo = [
         _model("model-smol", sizes.smol_shape, smol, device),
         ("build-smol", both, 240),
