@@ -127,6 +127,7 @@ class GradientCollector:
         self._blocks: dict[str, torch.Tensor] = {}  # module -> [B, block size] fp32
         self._pending: tuple[torch.Tensor, list[tuple[ModuleSlot, int]]] | None = None
         self._group_mats: dict[tuple[str, ...], torch.Tensor] = {}
+        self._signs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(P) -> (P, √p·P bf16)
         self._handles: list[Any] = []
         self._lean = contextlib.ExitStack()
         self._requires_grad: dict[str, bool] = {}
@@ -166,6 +167,7 @@ class GradientCollector:
         self._handles.clear()
         self._saved.clear()
         self._group_mats.clear()
+        self._signs.clear()
 
     def _uses_full(self, name: str) -> bool:
         return self.normalizer is not None and self.normalizer.kind == "adam"
@@ -199,14 +201,26 @@ class GradientCollector:
         """[B, T, f] @ [k, f]ᵀ -> [B, T, k] fp32."""
         if self._bf16_projection and x.dtype == torch.bfloat16:
             root = self.projector.dim**0.5  # P = signs / √p: the signs are exact in bf16
-            return F.linear(x, (mat * root).to(x.dtype)).to(STATS_DTYPE) / root
+            return F.linear(x, self._bf16_signs(mat, root)).to(STATS_DTYPE) / root
         return F.linear(x.to(STATS_DTYPE), mat)
+
+    def _bf16_signs(self, mat: torch.Tensor, root: float) -> torch.Tensor:
+        """√p·P in bf16 (the ±1 signs), made once per matrix: not two kernels per layer and batch."""
+        mat_and_signs = self._signs.get(id(mat))
+        if mat_and_signs is None or mat_and_signs[0] is not mat:
+            mat_and_signs = self._signs[id(mat)] = (mat, (mat * root).to(torch.bfloat16))
+        return mat_and_signs[1]
+
+    def _use_mask(self, mask: torch.Tensor | None) -> None:
+        """The batch's [B, T] padding mask, kept as [B, T, 1] fp32: cast once, not once a layer
+        (any other mask, e.g. a 4-D one, masks nothing here)."""
+        self._mask = mask[:, :, None].to(STATS_DTYPE) if mask is not None and mask.dim() == 2 else None
 
     def _masked(self, x: torch.Tensor) -> torch.Tensor:
         """Zero padded tokens of [B, T, k]. Masking g alone makes g_t a_tᵀ exactly 0 there."""
-        mask = self._mask
-        if mask is not None and mask.shape == x.shape[:2]:
-            x = x * mask[:, :, None].to(STATS_DTYPE)
+        mask = self._mask  # [B, T, 1] fp32
+        if mask is not None and mask.shape[:2] == x.shape[:2]:
+            x = x * mask
         return x
 
     def _forward_hook(self, slot: ModuleSlot, module: nn.Module, inputs: Any, output: Any) -> Any:
@@ -303,7 +317,7 @@ class GradientCollector:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         packed = is_packed(batch)
         self._repad = Repadding.of(batch[SEGMENTS], self._device) if packed else None
-        self._mask = None if packed else batch.get("attention_mask")
+        self._use_mask(None if packed else batch.get("attention_mask"))
         self._saved, self._blocks, self._pending = {}, {}, None
         try:
             with torch.enable_grad(), self.policy.autocast():

@@ -112,7 +112,7 @@ class LiveCollector(GradientCollector):
             return
         self._collect()
         self._saved, self._blocks, self._pending = {}, {}, None
-        self._mask = kwargs.get("attention_mask")
+        self._use_mask(kwargs.get("attention_mask"))
 
     def _end(self, module: nn.Module, args: Any, kwargs: dict[str, Any], output: Any) -> None:
         if not (module.training and torch.is_grad_enabled()):
