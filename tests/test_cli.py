@@ -39,7 +39,7 @@ def test_command_help_documents_flags_from_docstrings(capsys):
             ["eval", "o", "--dataset", "DATA", "--filter_column", "group", "--filter_value", "x"],
             "no examples",
         ),
-        (["eval", "o", "--model", "./no-such-model"], "could not load"),
+        (["eval", "o", "--model", "./no-such-model"], "'./no-such-model': no such folder"),
         (["eval", "o", "--dataset", "DATA", "--completion_column", "c"], "--prompt_column"),
         (["nonsense"], "unknown command"),
     ],

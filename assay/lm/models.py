@@ -108,7 +108,17 @@ def load_error(what: str, name: str, e: Exception, cfg: ModelSource) -> AssayErr
             f"{what} {name!r} ships its own code (auto_map in its config), which was not run; pass "
             "--trust_remote_code on the command line if you trust its source"
         )
+    if _looks_like_path(name) and not Path(name).expanduser().exists():
+        return AssayError(
+            f"could not load {what} {name!r}: no such folder; give a model folder, a Hugging Face "
+            "model name, or a bundled model (assay-tiny, smollm2-135m)"
+        )
     return AssayError(f"could not load {what} {name!r}: {first_line(e)}")
+
+
+def _looks_like_path(name: str) -> bool:
+    """A local path (/x, ./x, ../x, ~/x), never a hub name (owner/model)."""
+    return name.startswith(("/", ".", "~"))
 
 
 def _base_model_of(name: str) -> str:
