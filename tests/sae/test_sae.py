@@ -14,7 +14,7 @@ from assay.core.errors import AssayError
 from assay.core.precision import PrecisionPolicy
 from assay.core.runs import config_from_dict, config_to_dict
 from assay.sae.config import SaeArchConfig, SaeTrainConfig
-from assay.sae.kernels import JumpReLUFn, ReLUL1Fn, column_totals, firing_counts
+from assay.sae.kernels import SAMPLE, JumpReLUFn, ReLUL1Fn, column_totals, firing_counts, topk_over_batch
 from assay.sae.loop import calibrate_threshold, threshold_from
 from assay.sae.metrics import DeadLatents, ReconstructionStats, fvu
 from assay.sae.model import THRESHOLD_BETA, SparseAutoencoder, select_active
@@ -68,6 +68,47 @@ def test_batchtopk_keeps_k_per_token_on_average_and_its_threshold_reproduces_the
     assert torch.equal((z > 0).nonzero().T, torch.stack([rows, cols]))
     sae.update_threshold(torch.tensor(0.0), first=False)  # EMA step
     assert float(sae.threshold_buf[0]) == pytest.approx(THRESHOLD_BETA * float(out.min_kept))
+
+
+def _batch_topk_plainly(pre: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference: one top-(k*N) over the whole relu'd batch, positives kept, token-major."""
+    n, d_sae = pre.shape
+    flat = F.relu(pre).reshape(-1)
+    idx = flat.topk(min(k * n, flat.numel()), sorted=False).indices
+    idx = idx[flat[idx] > 0].sort().values
+    return idx // d_sae, idx % d_sae
+
+
+@pytest.mark.parametrize(
+    "n, d_sae, k, shift",
+    [
+        (4096, 512, 6, 0.0),  # candidates from the sample (16 x SAMPLE entries and more)
+        (2048, 1536, 9, 0.0),  # d_sae not a power of two: the stride must still reach every latent
+        (4096, 512, 6, -3.0),  # fewer positives than k * N: every positive, nothing else
+        (64, 256, 4, 0.5),  # too small to sample: the whole batch
+    ],
+)
+def test_batch_topk_selection_equals_one_topk_over_the_batch(n: int, d_sae: int, k: int, shift: float):
+    pre = torch.randn(n, d_sae, generator=torch.Generator().manual_seed(n + d_sae)) + shift
+    rows, cols = topk_over_batch(pre, k)
+    want_rows, want_cols = _batch_topk_plainly(pre, k)
+    assert torch.equal(rows, want_rows) and torch.equal(cols, want_cols)
+
+
+@pytest.mark.parametrize("sampled, k", [(-1.0, 6), (10.0, 32)])
+def test_batch_topk_selection_is_exact_whatever_the_sample_reads(sampled: float, k: int) -> None:
+    """The sample sees only -1 (a threshold far too low: every entry a candidate) or only 10 (too
+    high: fewer candidates than k * N, so the whole batch is searched)."""
+    n, d_sae = 4096, 512
+    pre = torch.full((n, d_sae), sampled)
+    flat = pre.view(-1)
+    stride = flat.numel() // SAMPLE  # the entries the sample reads (d_sae is a power of two: + 1)
+    unsampled = torch.ones(flat.numel(), dtype=torch.bool)
+    unsampled[:: stride + 1] = False
+    flat[unsampled] = torch.rand(int(unsampled.sum()), generator=torch.Generator().manual_seed(0))
+    rows, cols = topk_over_batch(pre, k)
+    want_rows, want_cols = _batch_topk_plainly(pre, k)
+    assert torch.equal(rows, want_rows) and torch.equal(cols, want_cols) and len(rows) == k * n
 
 
 @pytest.mark.parametrize("arch", ["batchtopk", "matryoshka", "topk"])
