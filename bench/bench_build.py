@@ -55,10 +55,10 @@ from floors import (  # noqa: E402
     floor_batches,
     floor_pass,
     load_floor_models,
-    profile_table,
     time_alternating,
 )
 from machine import header, machine  # noqa: E402
+from profiling import profile_table  # noqa: E402
 
 
 def pick_tunes(

@@ -151,20 +151,3 @@ def time_alternating(passes: dict[str, Callable[[], Any]], repeats: int) -> dict
             run()
             times[name].append(time.perf_counter() - t)
     return times
-
-
-def profile_table(run: Callable[[], Any], device: torch.device, rows: int) -> str:
-    """torch.profiler's table of one run of a pass: its `rows` costliest ops by self time on the
-    device (CUDA kernels where there are any, else the CPU's), with call counts, so that the
-    collector's extra ops can be read against the floor's."""
-    from torch.profiler import ProfilerActivity, profile  # bench-only, and only when asked
-
-    activities = [ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(ProfilerActivity.CUDA)
-    with profile(activities=activities) as prof:
-        run()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    return prof.key_averages().table(sort_by=sort, row_limit=rows)

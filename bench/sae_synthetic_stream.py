@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_sae_common import scale_of  # noqa: E402
 from bench_sae_synthetic import ARCHS, save_saelens, synthetic_config, train_assay, train_saelens  # noqa: E402
 from machine import header, machine  # noqa: E402
+from profiling import profile_table  # noqa: E402
 
 PROBE_STEPS = 12  # a throwaway SAE's steps to measure the step rate (Timer skips the first 5)
 
@@ -154,15 +155,13 @@ def run(args: argparse.Namespace) -> None:
 def profile(args: argparse.Namespace, arch: str, model: Any, scale: float, k: int) -> None:
     """Where an assay SAE's steps spend their time (generator draws included): torch.profiler's
     table of the ops with the most device time (host time on a CPU), printed to the log."""
-    from torch.profiler import ProfilerActivity
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
     first = next(stream(model, args, scale))
-    with torch.profiler.profile(activities=activities) as prof:
+
+    def steps() -> None:
         train_assay(args, arch, args.precision, stream(model, args, scale), first, args.profile_steps, k)
-    key = "self_cuda_time_total" if args.device.startswith("cuda") else "self_cpu_time_total"
+
     print(f"profile: {args.profile_steps} steps of {arch}", flush=True)
-    print(prof.key_averages().table(sort_by=key, row_limit=20), flush=True)
+    print(profile_table(steps, torch.device(args.device), 20), flush=True)
 
 
 def length(args: argparse.Namespace, arch: str, model: Any, scale: float, first: torch.Tensor, k: int) -> int:
@@ -235,7 +234,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--jumprelu_init_threshold", type=float, default=0.01)
     p.add_argument("--jumprelu_threshold_lr", type=float, default=None)
     p.add_argument(
-        "--profile_steps", type=int, default=0, help="profile this many steps of the first architecture"
+        "--profile_steps", type=int, default=0, help="profile this many steps (over 5) of the first arch"
     )
     p.add_argument(
         "--saelens_path",
