@@ -182,9 +182,9 @@ def topk_per_token(pre: Tensor, k: int) -> tuple[Tensor, Tensor]:
 def topk_over_batch(pre: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """(rows, cols) of the k*N largest positive entries of pre [N, d_sae], token-major.
 
-    A top-(k*N) over all N * d_sae entries is one selection over the whole batch: 190-250 ms for
-    4,096 x 4,096 on two CPU cores, more than the rest of a BatchTopK step. So the selection runs
-    on a few candidates instead: every entry at or above a threshold read from a strided sample,
+    A top-(k*N) over all N * d_sae entries is one selection over the whole batch: 14-31% of a
+    BatchTopK step's time on the CPU (docs/BENCHMARKS.md). So the selection runs on a few
+    candidates instead: every entry at or above a threshold read from a strided sample,
     set low enough that the candidates hold the k*N largest (checked: else a lower threshold,
     and at last the whole batch). The result is the same selection (ties at the boundary may
     be broken otherwise, as topk breaks them arbitrarily too).
