@@ -19,7 +19,9 @@ layout), DIR/eval and DIR/ground_truth.safetensors (feature_vectors, eval_acts, 
 Both trainers read batch i = rows perm[i*B:(i+1)*B] of one seeded permutation, normalised by
 one scale (bench_sae_common.py). Every trained SAE is saved in the SAELens format under
 DIR/saes/, and `score` evaluates them all with one implementation (assay.sae.ground_truth):
-MCC, F1, L0, FVU and the dead fraction on the evaluation samples; tokens/s of the SAE step.
+MCC, F1 and its chance level, L0, FVU and the dead fraction on the evaluation samples; tokens/s
+of the SAE step. `score --at_k` also scores the BatchTopK-type SAEs at equal sparsity: each
+inference threshold scaled until the evaluation L0 is k.
 
 The SAEs are initialised from torch's generator seeded with --init_seed, never --seed: SAELens
 draws the true dictionary from a generator seeded with --seed, and assay's start (normalised
@@ -341,6 +343,46 @@ def score_folder(folder: Path, gt: dict[str, torch.Tensor]) -> dict[str, float]:
     return {**m, "dead": m["dead_fraction_eval"]}
 
 
+@torch.no_grad()
+def at_equal_l0(sae: Any, gt: dict[str, torch.Tensor], target: float) -> tuple[float, dict[str, float]]:
+    """(factor, metrics) of a threshold SAE with its inference threshold multiplied by the factor
+    that brings its evaluation L0 to `target` (bisection in log space over 1/256 .. 256): a
+    comparison at equal sparsity, whatever state each library's threshold estimate is in."""
+    from assay.sae.ground_truth import detection_metrics
+
+    base = sae.threshold().detach().clone()
+    x = gt["eval_acts"].float() * sae.act_scale
+
+    def l0(factor: float) -> float:
+        sae.threshold().copy_(base * factor)
+        return sum(float((sae.encode(xb) != 0).sum()) for xb in x.split(4096)) / len(x)
+
+    lo, hi = -8.0, 8.0  # log2 of the factor; L0 falls as the factor grows
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if l0(2**mid) > target else (lo, mid)
+    factor = 2 ** ((lo + hi) / 2)
+    l0(factor)
+    return factor, detection_metrics(sae, gt)
+
+
+def score_at_k(args: argparse.Namespace, gt: dict[str, torch.Tensor], latest: dict[str, dict]) -> None:
+    """The threshold SAEs (BatchTopK, Matryoshka) of both libraries re-scored at L0 = k."""
+    from assay.sae.saelens_format import load_sae
+
+    k = true_k(args.data)
+    print(f"\nat equal sparsity: inference threshold x factor so that the evaluation L0 is k = {k}")
+    print("| architecture | library | precision | factor | F1 | F1 chance | L0 | FVU | dead (eval) |")
+    print("|---|---|---|---:|---|---|---|---|---|")
+    for name in sorted(n for n in latest if latest[n]["arch"] in ("batchtopk", "matryoshka")):
+        r = latest[name]
+        factor, m = at_equal_l0(load_sae(args.data / "saes" / name)[0], gt, k)
+        print(
+            f"| {r['arch']} | {r['library']} | {r['precision']} | {factor:.2f} | {m['f1']:.3f} | "
+            f"{m['f1_chance']:.3f} | {m['l0']:.1f} | {m['fvu']:.3f} | {m['dead_fraction_eval']:.1%} |"
+        )
+
+
 def score(args: argparse.Namespace) -> None:
     from assay.sae.ground_truth import load_ground_truth
 
@@ -351,12 +393,14 @@ def score(args: argparse.Namespace) -> None:
     scores = json.loads(cache.read_text()) if cache.exists() else {}
     for name in sorted(latest):
         stamp = (args.data / "saes" / name / "sae_weights.safetensors").stat().st_mtime
-        if scores.get(name, {}).get("stamp") != stamp:
+        cached = scores.get(name, {})
+        if cached.get("stamp") != stamp or "f1_chance" not in cached:  # new, retrained or older scoring
             scores[name] = {**score_folder(args.data / "saes" / name, gt), "stamp": stamp}
             cache.write_text(json.dumps(scores, indent=1))
     true_l0 = json.loads((args.data / "eval" / "meta.json").read_text())["true_l0"]
     print(f"true L0 {true_l0:.1f}; k = {true_k(args.data)}; CPU {machine()['cpu']}")
-    cols = ["architecture", "library", "precision", "MCC", "F1", "L0", "FVU", "dead (eval)", "dead (train)"]
+    cols = ["architecture", "library", "precision", "MCC", "F1", "F1 chance", "L0", "FVU"]
+    cols += ["dead (eval)", "dead (train)"]
     print("| " + " | ".join([*cols, "tokens/s"]) + " |")
     print("|---" * (len(cols) + 1) + "|")
     order = {a: i for i, a in enumerate(ARCHS)}
@@ -364,9 +408,11 @@ def score(args: argparse.Namespace) -> None:
         r, s = latest[name], scores[name]
         print(
             f"| {r['arch']} | {r['library']} | {r['precision']} | {s['mcc']:.3f} | {s['f1']:.3f} | "
-            f"{s['l0']:.1f} | {s['fvu']:.3f} | {s['dead']:.1%} | {r['train_dead']:.1%} | "
-            f"{r['tokens_per_s']:,.0f} |"
+            f"{s['f1_chance']:.3f} | {s['l0']:.1f} | {s['fvu']:.3f} | {s['dead']:.1%} | "
+            f"{r['train_dead']:.1%} | {r['tokens_per_s']:,.0f} |"
         )
+    if args.at_k:
+        score_at_k(args, gt, latest)
 
 
 def crosscheck(args: argparse.Namespace) -> None:
@@ -410,6 +456,11 @@ def main() -> None:
     p.add_argument(
         "--jumprelu_threshold_lr", type=float, default=None,
         help="assay's JumpReLU threshold learning-rate multiple (default: assay's; SAELens has none: 1)",
+    )  # fmt: skip
+    p.add_argument(
+        "--at_k", action="store_true",
+        help="score: also score the threshold SAEs (batchtopk, matryoshka) with the threshold "
+        "scaled to make the evaluation L0 k",
     )  # fmt: skip
     p.add_argument(
         "--init_seed", type=int, default=1, help="the SAEs' initialisation (never --seed: see the docstring)"

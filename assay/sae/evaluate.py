@@ -36,6 +36,7 @@ from assay.sae.saelens_format import load_sae
 METRIC_ORDER = (
     "mcc",
     "f1",
+    "f1_chance",
     "ce_clean",
     "ce_spliced",
     "ce_zero",

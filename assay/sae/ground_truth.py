@@ -10,6 +10,11 @@
       evaluation samples it "predicts" that feature firing when it is active (!= 0). Per-latent
       precision TP / (TP + FP), recall TP / (TP + FN) (0 where undefined), F1 their harmonic
       mean (0 where both are 0), accuracy (TP + TN) / total; each averaged over latents.
+  Chance F1: the F1 each latent would score firing as often as it does but independently of
+      its feature (precision = the feature's firing rate, recall = the latent's), averaged over
+      latents. F1 rewards firing often before it rewards recovery: a latent firing on half the
+      samples scores 0.44 against a feature firing on 40%, knowing nothing. An F1 means recovery
+      only by its margin over this one.
 
 A ground-truth file (safetensors) holds `feature_vectors` [F, d], `eval_acts` [M, d] (the
 hidden activations of M evaluation samples) and `eval_fires` [M, F] bool (which true features
@@ -122,6 +127,8 @@ class Classification:
     """Mean per-latent F1."""
     accuracy: float
     """Mean of (TP + TN) / samples."""
+    chance_f1: float
+    """Mean F1 of a latent firing at its own rate independently of its feature (module docstring)."""
 
 
 class ClassificationCounts:
@@ -147,9 +154,19 @@ class ClassificationCounts:
         recall = torch.where(tp + fn > 0, tp / (tp + fn).clamp_min(1), torch.zeros_like(tp))
         both = precision + recall
         f1 = torch.where(both > 0, 2 * precision * recall / both.clamp_min(1e-300), torch.zeros_like(tp))
-        accuracy = (tp + tn) / (tp + fp + fn + tn).clamp_min(1)
+        samples = (tp + fp + fn + tn).clamp_min(1)
+        accuracy = (tp + tn) / samples
+        feature_rate, latent_rate = (tp + fn) / samples, (tp + fp) / samples
+        rates = feature_rate + latent_rate
+        chance = torch.where(
+            rates > 0, 2 * feature_rate * latent_rate / rates.clamp_min(1e-300), torch.zeros_like(tp)
+        )
         return Classification(
-            float(precision.mean()), float(recall.mean()), float(f1.mean()), float(accuracy.mean())
+            float(precision.mean()),
+            float(recall.mean()),
+            float(f1.mean()),
+            float(accuracy.mean()),
+            float(chance.mean()),
         )
 
 
@@ -194,6 +211,7 @@ def detection_metrics(sae: Any, gt: dict[str, Tensor], batch: int = 4096) -> dic
     cls = counts.result()
     return {
         "f1": cls.f1,
+        "f1_chance": cls.chance_f1,
         "precision": cls.precision,
         "recall": cls.recall,
         "accuracy": cls.accuracy,

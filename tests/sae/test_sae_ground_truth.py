@@ -82,6 +82,30 @@ def test_classification_counts_equal_an_explicit_loop() -> None:
     assert got.accuracy == pytest.approx(np.mean(accs))
 
 
+def test_chance_f1_is_the_f1_of_latents_firing_independently_of_their_features() -> None:
+    """Reference: latents drawn independently of the truth at rates 2-60% score, over many samples,
+    the F1 the chance formula gives from their rates alone; a latent that detects its feature
+    exactly scores F1 1 against a chance F1 equal to its firing rate."""
+    g = torch.Generator().manual_seed(3)
+    features = torch.eye(4, dtype=torch.float64)
+    truth_rates = torch.tensor([0.4, 0.1, 0.02, 0.3])
+    latent_rates = torch.tensor([0.5, 0.05, 0.6, 0.3])
+    n = 400_000
+    truth = torch.rand(n, 4, generator=g) < truth_rates
+    counts = ClassificationCounts(features, features)
+    counts.update((torch.rand(n, 4, generator=g) < latent_rates).double(), truth)
+    got = counts.result()
+    expected = (2 * truth_rates * latent_rates / (truth_rates + latent_rates)).mean()
+    assert got.chance_f1 == pytest.approx(float(expected), abs=2e-3)
+    assert got.f1 == pytest.approx(got.chance_f1, abs=3e-3)  # independent latents: F1 at chance
+
+    exact = ClassificationCounts(features, features)
+    exact.update(truth.double(), truth)
+    perfect = exact.result()  # a latent as often as its feature: chance F1 2pp / 2p = p
+    assert perfect.f1 == 1.0
+    assert perfect.chance_f1 == pytest.approx(float(truth.double().mean(0).mean()), rel=1e-12)
+
+
 def test_ground_truth_file_is_checked(tmp_path) -> None:  # type: ignore[no-untyped-def]
     path = tmp_path / "gt.safetensors"
     save_file({"feature_vectors": torch.zeros(3, 4), "eval_acts": torch.zeros(2, 4)}, str(path))
