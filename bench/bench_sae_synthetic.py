@@ -20,8 +20,8 @@ Both trainers read batch i = rows perm[i*B:(i+1)*B] of one seeded permutation, n
 one scale (bench_sae_common.py). Every trained SAE is saved in the SAELens format under
 DIR/saes/, and `score` evaluates them all with one implementation (assay.sae.ground_truth):
 MCC, F1 and its chance level, L0, FVU and the dead fraction on the evaluation samples; tokens/s
-of the SAE step. `score --at_k` also scores the BatchTopK-type SAEs at equal sparsity: each
-inference threshold scaled until the evaluation L0 is k.
+of the SAE step. `score --at_l0 L` also scores the BatchTopK-type SAEs at equal sparsity: each
+inference threshold scaled until the evaluation L0 is L.
 
 The SAEs are initialised from torch's generator seeded with --init_seed, never --seed: SAELens
 draws the true dictionary from a generator seeded with --seed, and assay's start (normalised
@@ -366,21 +366,23 @@ def at_equal_l0(sae: Any, gt: dict[str, torch.Tensor], target: float) -> tuple[f
     return factor, detection_metrics(sae, gt)
 
 
-def score_at_k(args: argparse.Namespace, gt: dict[str, torch.Tensor], latest: dict[str, dict]) -> None:
-    """The threshold SAEs (BatchTopK, Matryoshka) of both libraries re-scored at L0 = k."""
+def score_at_l0(args: argparse.Namespace, gt: dict[str, torch.Tensor], latest: dict[str, dict]) -> None:
+    """The threshold SAEs (BatchTopK, Matryoshka) of both libraries re-scored at each --at_l0."""
     from assay.sae.saelens_format import load_sae
 
-    k = true_k(args.data)
-    print(f"\nat equal sparsity: inference threshold x factor so that the evaluation L0 is k = {k}")
-    print("| architecture | library | precision | factor | F1 | F1 chance | L0 | FVU | dead (eval) |")
-    print("|---|---|---|---:|---|---|---|---|---|")
-    for name in sorted(n for n in latest if latest[n]["arch"] in ("batchtopk", "matryoshka")):
-        r = latest[name]
-        factor, m = at_equal_l0(load_sae(args.data / "saes" / name)[0], gt, k)
-        print(
-            f"| {r['arch']} | {r['library']} | {r['precision']} | {factor:.2f} | {m['f1']:.3f} | "
-            f"{m['f1_chance']:.3f} | {m['l0']:.1f} | {m['fvu']:.3f} | {m['dead_fraction_eval']:.1%} |"
-        )
+    print("\nat equal sparsity: each inference threshold x the factor giving the target evaluation L0")
+    cols = ["target L0", "architecture", "library", "precision", "factor", "F1", "F1 chance", "L0", "FVU"]
+    print("| " + " | ".join([*cols, "dead (eval)"]) + " |")
+    print("|---:|---|---|---|---:|---|---|---|---|---|")
+    for target in args.at_l0:
+        for name in sorted(n for n in latest if latest[n]["arch"] in ("batchtopk", "matryoshka")):
+            r = latest[name]
+            factor, m = at_equal_l0(load_sae(args.data / "saes" / name)[0], gt, target)
+            print(
+                f"| {target:g} | {r['arch']} | {r['library']} | {r['precision']} | {factor:.2f} | "
+                f"{m['f1']:.3f} | {m['f1_chance']:.3f} | {m['l0']:.1f} | {m['fvu']:.3f} | "
+                f"{m['dead_fraction_eval']:.1%} |"
+            )
 
 
 def score(args: argparse.Namespace) -> None:
@@ -411,8 +413,8 @@ def score(args: argparse.Namespace) -> None:
             f"{s['f1_chance']:.3f} | {s['l0']:.1f} | {s['fvu']:.3f} | {s['dead']:.1%} | "
             f"{r['train_dead']:.1%} | {r['tokens_per_s']:,.0f} |"
         )
-    if args.at_k:
-        score_at_k(args, gt, latest)
+    if args.at_l0:
+        score_at_l0(args, gt, latest)
 
 
 def crosscheck(args: argparse.Namespace) -> None:
@@ -458,9 +460,9 @@ def main() -> None:
         help="assay's JumpReLU threshold learning-rate multiple (default: assay's; SAELens has none: 1)",
     )  # fmt: skip
     p.add_argument(
-        "--at_k", action="store_true",
+        "--at_l0", type=float, nargs="*", default=[],
         help="score: also score the threshold SAEs (batchtopk, matryoshka) with the threshold "
-        "scaled to make the evaluation L0 k",
+        "scaled to make the evaluation L0 each of these (e.g. k)",
     )  # fmt: skip
     p.add_argument(
         "--init_seed", type=int, default=1, help="the SAEs' initialisation (never --seed: see the docstring)"
