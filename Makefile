@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # takes the CPU wheel from PyTorch's index rather than a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test lint clean
 
 setup: $(STAMP)
 
@@ -31,7 +31,7 @@ test: lint browser
 	$(MAKE) test-interop
 
 clean:
-	rm -rf $(VENV) demo-out
+	rm -rf $(VENV) demo-out bench-out
 
 # SAELens round trip, W&B offline logging and kronfluence agreement in a separate env: the peers never
 # enter .venv.
@@ -63,3 +63,27 @@ coreset-demo: setup
 targeted-demo: setup
 	$(VENV)/bin/assay coreset targeted-out --preset targeted --max_length 128 --threads 1 --no_pool_loss \
 	    --strategies random loss gradcos trackstar
+
+# The collector and scoring figures docs/BENCHMARKS.md keeps one table of per CPU family, on this
+# machine: `assay build` against bergson 2.5.1 (in $(PEERS)) on a random 2.1M-parameter Llama and on
+# SmolLM2-135M (the packaged checkpoint), whole processes alternated, then cached TrackStar against
+# the in-memory matmul. About 40 min on 2 quiet cores (run nothing else); each report in bench-out/*.txt
+# starts with the CPU model and ISA features.
+BENCH_OUT ?= bench-out
+.PHONY: bench-cpu
+bench-cpu: SHELL := /bin/bash
+bench-cpu: .SHELLFLAGS := -o pipefail -c
+bench-cpu: setup
+	test -x $(PEERS)/bin/python || python3 -m venv $(PEERS)
+	$(PEERS)/bin/python -m pip install -q "$(TORCH)" bergson==2.5.1
+	$(PEERS)/bin/python -m pip uninstall -q -y torchvision torchaudio
+	mkdir -p $(BENCH_OUT)
+	test -f $(BENCH_OUT)/tiny-2m/config.json || $(PY) bench/random_model.py tiny-2m $(BENCH_OUT)/tiny-2m
+	$(PY) bench/bench_build.py --model $(BENCH_OUT)/tiny-2m --tokens 20000 --repeats 3 \
+	    --precisions fp32 bf16 --floors sdpa-causal sdpa-segments --process_repeats 3 \
+	    --peer_python $(PEERS)/bin/python | tee $(BENCH_OUT)/build-tiny-2m.txt
+	$(PY) bench/bench_build.py --model smollm2-135m --tokens 3000 --repeats 2 \
+	    --precisions fp32 bf16 --floors sdpa-causal sdpa-segments --process_repeats 3 \
+	    --peer_python $(PEERS)/bin/python | tee $(BENCH_OUT)/build-smollm2.txt
+	$(PY) bench/bench_score.py --rows 100000 --dim 3584 --queries 4 --repeats 2 --rounds 3 \
+	    | tee $(BENCH_OUT)/score.txt
