@@ -67,7 +67,7 @@ targeted-demo: setup
 # The collector and scoring figures docs/BENCHMARKS.md keeps one table of per CPU family, on this
 # machine: `assay build` against bergson 2.5.1 (in $(PEERS)) on a random 2.1M-parameter Llama and on
 # SmolLM2-135M (the packaged checkpoint), whole processes alternated, then cached TrackStar against
-# the in-memory matmul. About 40 min on 2 quiet cores (run nothing else); each report in bench-out/*.txt
+# the in-memory matmul. About 20 min on 2 quiet cores (run nothing else); each report in bench-out/*.txt
 # starts with the CPU model and ISA features.
 BENCH_OUT ?= bench-out
 .PHONY: bench-cpu
