@@ -171,7 +171,14 @@ def torchrun(*args: str, nproc: int = 2, timeout: float = 300) -> subprocess.Com
 
 
 def ok(proc: subprocess.CompletedProcess) -> None:
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    """The job succeeded; else each rank's last traceback lines (torchrun's own summary, which
+    follows them, names only exit codes), then the tail of stderr."""
+    if proc.returncode == 0:
+        return
+    lines = proc.stderr.splitlines()
+    ranks = sorted({ln.split("]", 1)[0] for ln in lines if ln.startswith("[rank")})
+    per_rank = ["\n".join([ln for ln in lines if ln.startswith(r + "]")][-12:]) for r in ranks]
+    raise AssertionError("\n\n".join([*per_rank, proc.stderr[-2000:]]))
 
 
 def write_many(folder: Path) -> Path:

@@ -20,6 +20,7 @@ import fcntl
 import json
 import os
 import shutil
+import threading
 import time
 import types
 import typing
@@ -70,16 +71,24 @@ def package_version() -> str:
         return "dev"
 
 
+def _writer_tmp(path: Path) -> Path:
+    """A temporary name beside `path` that is this process's and thread's own: under torchrun
+    every rank may write the same file, and with one shared name one rank's rename would take
+    the other's file away (its own rename then fails)."""
+    return path.with_name(f"{path.name}.{os.getpid()}-{threading.get_ident()}.tmp")
+
+
 def write_json(path: Path, obj: Any) -> None:
-    """Write JSON atomically: a reader sees the old file or the new one, never half."""
-    tmp = path.with_name(path.name + ".tmp")
+    """Write JSON atomically: a reader sees the old file or the new one, never half; concurrent
+    writers of one path each replace it whole (the last one stays)."""
+    tmp = _writer_tmp(path)
     tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
     os.replace(tmp, path)
 
 
 def write_jsonl(path: Path, records: list[dict[str, Any]]) -> None:
     """Write one JSON object per line, atomically (standard JSON: NaN and inf are refused)."""
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = _writer_tmp(path)
     with open(tmp, "w") as f:
         for record in records:
             f.write(json.dumps(record, allow_nan=False) + "\n")

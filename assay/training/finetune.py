@@ -342,8 +342,9 @@ def finetune(cfg: FinetuneConfig) -> dict[str, Any]:
             "train_s": result["train_s"],
             "wall_s": time.perf_counter() - wall,
         }
-        write_json(run.path / "summary.json", summary)
-        shutil.rmtree(run.path / ckpt.CHECKPOINT_DIR, ignore_errors=True)
+        if dist.is_main:  # every rank holds the same summary
+            write_json(run.path / "summary.json", summary)
+            shutil.rmtree(run.path / ckpt.CHECKPOINT_DIR, ignore_errors=True)
         result["log"].close()
     return summary
 

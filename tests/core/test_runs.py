@@ -72,3 +72,30 @@ def test_messages_name_a_stage_where_it_will_be_once_its_parent_run_finishes(tmp
     # a folder that merely ends in .part, with no run in it, keeps its name
     (tmp_path / "notes.part").mkdir()
     assert final_location(tmp_path / "notes.part" / "x") == tmp_path / "notes.part" / "x"
+
+
+def _write_often(path: str, rank: int, rounds: int) -> None:
+    from pathlib import Path
+
+    from assay.core.runs import write_json, write_jsonl
+
+    for i in range(rounds):
+        write_json(Path(path), {"rank": rank, "i": i})
+        write_jsonl(Path(path + "l"), [{"rank": rank, "i": i}])
+
+
+def test_concurrent_writers_of_one_file_never_fail(tmp_path):
+    """What every torchrun rank does when it writes the same summary: each write stays atomic and
+    none fails (with one shared temporary name, one rank's rename took the other's file away)."""
+    import multiprocessing as mp
+
+    path = tmp_path / "summary.json"
+    procs = [mp.get_context("fork").Process(target=_write_often, args=(str(path), r, 400)) for r in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    assert [p.exitcode for p in procs] == [0, 0, 0]
+    assert read_json(path)["i"] == 399  # whole, from whichever rank replaced it last
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == ["summary.json", "summary.jsonl"]  # no temporaries left behind
