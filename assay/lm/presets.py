@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from assay.core.paths import cache_dir
+from assay.core.runs import write_jsonl
 from assay.lm import corpora
 
 PRESETS = ("coreset", "targeted", "lds")
@@ -30,12 +31,6 @@ def _read(split: str) -> list[dict[str, Any]]:
     with open(folder / f"{split}.jsonl", encoding="utf-8") as f:  # not splitlines(): texts hold \x1c etc.
         rows = [json.loads(line) for line in f if line.strip()]
     return [r | {"source_row": i} for i, r in enumerate(rows)]
-
-
-def _write(path: Path, rows: list[dict[str, Any]]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    tmp.replace(path)
 
 
 def prepare_preset(
@@ -51,15 +46,15 @@ def prepare_preset(
     pool = [int(i) for i in order[:pool_size]]  # an unbiased sample of every collection
     if name == "lds":
         picked = np.random.default_rng(9012).permutation(len(held_out))[:query_size]
-        _write(paths["query"], [held_out[int(i)] for i in sorted(picked)])
-        _write(paths["eval"], [])
+        write_jsonl(paths["query"], [held_out[int(i)] for i in sorted(picked)])
+        write_jsonl(paths["eval"], [])
     elif name == "targeted":
         rest = [int(i) for i in order[pool_size:] if train[i]["collection"] == TARGET_COLLECTION]
-        _write(paths["query"], [train[i] for i in sorted(rest[:query_size])])
-        _write(paths["eval"], [r for r in held_out if r["collection"] == TARGET_COLLECTION])
+        write_jsonl(paths["query"], [train[i] for i in sorted(rest[:query_size])])
+        write_jsonl(paths["eval"], [r for r in held_out if r["collection"] == TARGET_COLLECTION])
     else:
-        _write(paths["query"], [])
+        write_jsonl(paths["query"], [])
         picked = np.random.default_rng(5678).permutation(len(held_out))[:eval_size]
-        _write(paths["eval"], [held_out[int(i)] for i in sorted(picked)])
-    _write(paths["pool"], [train[i] for i in sorted(pool)])
+        write_jsonl(paths["eval"], [held_out[int(i)] for i in sorted(picked)])
+    write_jsonl(paths["pool"], [train[i] for i in sorted(pool)])
     return {k: str(v) for k, v in paths.items()}
