@@ -362,7 +362,7 @@ def at_equal_l0(sae: Any, gt: dict[str, torch.Tensor], target: float) -> tuple[f
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if l0(2**mid) > target else (lo, mid)
     factor = 2 ** ((lo + hi) / 2)
-    l0(factor)
+    sae.threshold().copy_(base * factor)
     return factor, detection_metrics(sae, gt)
 
 
