@@ -18,7 +18,7 @@ from typing import Annotated, Any
 
 from assay.commands import COMMANDS, Command
 from assay.core.errors import AssayError
-from assay.core.memory import return_freed_memory
+from assay.core.memory import return_freed_memory, small_matmul_cache
 
 
 def load(command: Command) -> tuple[type, Callable[[Any], Any]]:
@@ -205,6 +205,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return early
     name = args[0]
     return_freed_memory()
+    small_matmul_cache()
     try:
         name, rest = _split_command(args)
         if name == "replay":

@@ -40,6 +40,25 @@ def reuse_freed_memory(limit: int = REUSE_LIMIT_BYTES) -> None:
     _mallopt({M_MMAP_THRESHOLD: limit, M_TRIM_THRESHOLD: limit})
 
 
+MATMUL_CACHE = "LRU_CACHE_CAPACITY"
+"""ideep's per-shape cache of oneDNN matmul set-ups (torch's bf16/fp16 CPU matmuls), default 1024."""
+SMALL_MATMUL_CACHE = "1"
+
+
+def small_matmul_cache() -> None:
+    """Keep one entry in ideep's cache of matmul set-ups (LRU_CACHE_CAPACITY) unless the user set it.
+
+    torch runs low-precision CPU matmuls through ideep, which keeps the set-up of every input
+    shape it has seen. A run over length-bucketed batches sees a new shape every few batches, and
+    the entries stay: on the random 2.1M-parameter Llama (`bench/bench_build.py`), `assay build
+    --precision bf16` peaked 30–35 MB lower with one entry, at the same speed (there and on
+    SmolLM2-135M, where the peak did not move). oneDNN's own primitive cache, below it, still
+    serves repeated shapes. ideep reads the variable at its first matmul, so this must run
+    before any; the `assay` commands call it first.
+    """
+    os.environ.setdefault(MATMUL_CACHE, SMALL_MATMUL_CACHE)
+
+
 def _mallopt(settings: dict[int, int]) -> None:
     """glibc's mallopt(param, value) for each setting; nothing when the user set the mmap
     threshold in the environment, or off glibc (musl and others keep their own policy)."""
