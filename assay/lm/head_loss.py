@@ -32,7 +32,11 @@ from torch import nn
 PLAIN_HEAD_MODEL_TYPES = frozenset(
     {"llama", "mistral", "qwen2", "qwen3", "gpt2", "gpt_neox", "olmo", "olmo2", "phi3", "gemma", "smollm3"}
 )
-CHUNK_ELEMENTS = 2**22  # logits per chunk: 16 MB in fp32 (a few dozen tokens at a 49k vocabulary)
+CHUNK_ELEMENTS = 2**20
+"""Logits per chunk: 4 MB in fp32, 256 tokens at a 4k vocabulary."""
+MIN_CHUNK_TOKENS = 128
+"""Each chunk reads the head's whole weight twice, so a chunk never has fewer tokens than this
+(SmolLM2's 49k vocabulary: 25 MB of fp32 logits; fewer tokens made its fp32 build slower)."""
 
 
 def fusable_head(model: nn.Module) -> nn.Linear | None:
@@ -97,7 +101,7 @@ def _losses_and_grads(
     grad_dtype = torch.float32 if dtype == torch.float16 else dtype
     w_grad = w.to(grad_dtype)  # the same tensor unless fp16
     n, vocab = hidden.shape[0], weight.shape[0]
-    chunk = max(1, min(n, CHUNK_ELEMENTS // vocab))
+    chunk = max(1, min(n, max(MIN_CHUNK_TOKENS, CHUNK_ELEMENTS // vocab)))
     losses = hidden.new_empty(n, dtype=torch.float32)
     grads = torch.empty_like(hidden, dtype=torch.float32) if need_grad else None
     head_out = hidden.new_empty(chunk, vocab, dtype=dtype)

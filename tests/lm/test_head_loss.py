@@ -42,6 +42,7 @@ def batch_with_prompts():
 @pytest.mark.parametrize("make", [tiny_llama, tiny_gpt2])
 def test_chunked_head_equals_plain_logits_fp32(make, monkeypatch):
     monkeypatch.setattr(head_loss, "CHUNK_ELEMENTS", 128 * 5)  # 5 tokens a chunk: many chunks
+    monkeypatch.setattr(head_loss, "MIN_CHUNK_TOKENS", 1)
     model, batch = frozen_head(make()), batch_with_prompts()
     policy = PrecisionPolicy.resolve("fp32", torch.device("cpu"))
     assert fusable_head(model) is not None
@@ -92,6 +93,7 @@ def test_chunk_buffers_match_a_reference(dtype, with_bias, monkeypatch):
     """Losses and d loss/d hidden against fp64 on the same rounded inputs, with a bias and a
     last chunk shorter than the rest (the reused buffers must not leak between chunks)."""
     monkeypatch.setattr(head_loss, "CHUNK_ELEMENTS", 50 * 7)  # 7 tokens a chunk, 23 tokens
+    monkeypatch.setattr(head_loss, "MIN_CHUNK_TOKENS", 1)
     gen = torch.Generator().manual_seed(0)
     hidden, weight = torch.randn(23, 16, generator=gen), torch.randn(50, 16, generator=gen)
     bias = torch.randn(50, generator=gen) if with_bias else None
