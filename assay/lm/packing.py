@@ -148,13 +148,15 @@ class Repadding:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """[1, row, k] packed -> [B, width, k], zeros after each example (filler dropped)."""
         tokens = x[0, : len(self.flat)]
-        out = x.new_zeros(self.batch * self.width, x.shape[-1]).index_copy_(0, self.flat, tokens)
+        out = x.new_zeros(self.batch * self.width, x.shape[-1]).index_put_((self.flat,), tokens)
         return out.view(self.batch, self.width, x.shape[-1])
 
     def heads(self, x: torch.Tensor) -> torch.Tensor:
         """[1, heads, row, d] -> [B, heads, width, d], zeros after each example (filler dropped)."""
         tokens = x[0, :, : len(self.flat)].transpose(0, 1)  # [Σn, heads, d]
-        out = tokens.new_zeros(self.batch * self.width, *tokens.shape[1:]).index_copy_(0, self.flat, tokens)
+        # index_put_, not index_copy_: autograd keeps only the indices, where index_copy_ would
+        # keep the queries, keys and values themselves alive until backward
+        out = tokens.new_zeros(self.batch * self.width, *tokens.shape[1:]).index_put_((self.flat,), tokens)
         return out.view(self.batch, self.width, *tokens.shape[1:]).transpose(1, 2)
 
     def unpad_heads(self, x: torch.Tensor, row: int) -> torch.Tensor:

@@ -69,6 +69,21 @@ def test_pack_layout():
     assert back[:7, 0, 0].tolist() == list(range(7)) and not back[7:].any()
 
 
+def test_repadding_keeps_only_indices_for_backward():
+    """Attention's copies into the padded layout keep no queries, keys or values alive until
+    backward (SDPA keeps its own padded inputs): only integer indices are saved, and the
+    gradient still reaches every packed token."""
+    repad = packing.Repadding.of(torch.tensor([4, 3]))
+    x = torch.randn(1, 2, packing.ROW_MULTIPLE, 8, requires_grad=True)
+    saved: list[torch.dtype] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.dtype) or t, lambda t: t):
+        padded = repad.heads(x * 1)
+    assert saved and all(not dtype.is_floating_point for dtype in saved)
+    padded.sum().backward()
+    assert x.grad is not None
+    assert (x.grad[0, :, :7] == 1).all() and not x.grad[0, :, 7:].any()
+
+
 def test_only_full_attention_models_of_known_types_pack():
     assert packing.packable(tiny_llama()) and packing.packable(MODELS["qwen3"]())
     assert not packing.packable(tiny_gpt2())  # positions are not read from position_ids there
