@@ -152,15 +152,11 @@ class ClassificationCounts:
         tp, fp, fn, tn = self.tp, self.fp, self.fn, self.tn
         precision = torch.where(tp + fp > 0, tp / (tp + fp).clamp_min(1), torch.zeros_like(tp))
         recall = torch.where(tp + fn > 0, tp / (tp + fn).clamp_min(1), torch.zeros_like(tp))
-        both = precision + recall
-        f1 = torch.where(both > 0, 2 * precision * recall / both.clamp_min(1e-300), torch.zeros_like(tp))
         samples = (tp + fp + fn + tn).clamp_min(1)
         accuracy = (tp + tn) / samples
-        feature_rate, latent_rate = (tp + fn) / samples, (tp + fp) / samples
-        rates = feature_rate + latent_rate
-        chance = torch.where(
-            rates > 0, 2 * feature_rate * latent_rate / rates.clamp_min(1e-300), torch.zeros_like(tp)
-        )
+        # by chance: precision is the feature's firing rate, recall the latent's
+        chance = _harmonic_mean((tp + fn) / samples, (tp + fp) / samples)
+        f1 = _harmonic_mean(precision, recall)
         return Classification(
             float(precision.mean()),
             float(recall.mean()),
@@ -168,6 +164,12 @@ class ClassificationCounts:
             float(accuracy.mean()),
             float(chance.mean()),
         )
+
+
+def _harmonic_mean(a: Tensor, b: Tensor) -> Tensor:
+    """2ab / (a + b) elementwise, 0 where both are 0 (an F1 from its precision and recall)."""
+    both = a + b
+    return torch.where(both > 0, 2 * a * b / both.clamp_min(1e-300), torch.zeros_like(a))
 
 
 def load_ground_truth(path: Path | str) -> dict[str, Tensor]:
