@@ -108,7 +108,7 @@ def run_ours(
     if not args.no_fit:  # --no_fit: the ablation of the unit start's fitted encoder scale
         sae.fit_encoder_scale(data[0])  # as assay's init_from_data does (unit decoder start)
     lr = args.lr or default_learning_rate(d_sae, sae.arch.unit_decoder, args.optimizer)
-    opt = make_optimizer(sae, lr, args.optimizer, args.momentum, args.r)
+    opt = make_optimizer(sae, lr, args.optimizer, args.momentum, args.r, args.encoder_step)
     if args.plain_encoder_step:  # signum's ablation: W_enc steps as far as every other weight
         opt.param_groups[0]["step_scale"] = 1.0
     optim_mod.RENORM = args.renorm
@@ -236,7 +236,7 @@ def main() -> None:
     p.add_argument("--momentum", type=float, default=0.98, help="signum: schedule-free beta")
     p.add_argument("--aux", type=float, default=1 / 32, help="AuxK coefficient")
     p.add_argument("--lr_c", type=float, default=None, help="signum: lr = C / sqrt(d_sae / 2^14)")
-    p.add_argument("--encoder_step", type=float, default=None, help="signum: W_enc's relative step factor")
+    p.add_argument("--encoder_step", type=float, default=None, help="signum: W_enc's step (default: arch's)")
     p.add_argument("--plain_encoder_step", action="store_true", help="signum: W_enc steps like the rest")
     p.add_argument("--aux_k", type=int, default=None, help="AuxK latents per token (default k)")
     p.add_argument(
@@ -267,7 +267,6 @@ def main() -> None:
     if args.allocator == "reuse":
         reuse_freed_memory()
     optim_mod.SIGNUM_LR_C = args.lr_c or optim_mod.SIGNUM_LR_C
-    optim_mod.SIGNUM_ENCODER_STEP = args.encoder_step or optim_mod.SIGNUM_ENCODER_STEP
     d_in = int(json.loads((args.acts / "train" / "meta.json").read_text())["d_in"])
     for _ in range(args.repeats):  # alternate configurations within each repeat
         for e in args.expansion:

@@ -175,7 +175,7 @@ def train_assay(
     kind = "signum" if cfg.unit_decoder else "adam"
     lr = default_learning_rate(args.d_sae, cfg.unit_decoder, kind)
     warmup, decay = (0, 0.0) if kind == "signum" else (WARMUP, DECAY)
-    opt = make_optimizer(sae, lr, kind)
+    opt = make_optimizer(sae, lr, kind, encoder_step=getattr(args, "signum_encoder_step", None))
     policy = PrecisionPolicy.resolve(precision, first.device)
     window = DEAD_WINDOW_STEPS * args.batch
     aux_window = default_aux_window(arch, kind, args.batch, window)  # assay's AuxK default
@@ -368,6 +368,10 @@ def main() -> None:
     p.add_argument(
         "--jumprelu_threshold_lr", type=float, default=None,
         help="assay's JumpReLU threshold learning-rate multiple (default: assay's; SAELens has none: 1)",
+    )  # fmt: skip
+    p.add_argument(
+        "--signum_encoder_step", type=float, default=None,
+        help="assay's --signum_encoder_step (default: the architecture's)",
     )  # fmt: skip
     p.add_argument(
         "--at_l0", type=float, nargs="*", default=[],

@@ -114,8 +114,10 @@ class SaeArchConfig:
 class SaeTrainConfig:
     """Train a sparse autoencoder on a language model's activations at one module."""
 
-    LEGACY_DEFAULTS: ClassVar[dict[str, object]] = {"optimizer": "adam"}
-    """Saved configs from before --optimizer trained with Adam (`assay replay` keeps it)."""
+    LEGACY_DEFAULTS: ClassVar[dict[str, object]] = {"optimizer": "adam", "signum_encoder_step": 2**-0.5}
+    """Saved configs from before --optimizer trained with Adam, and from before
+    --signum_encoder_step with every architecture's encoder at 1/sqrt(2) (`assay replay` keeps
+    both)."""
 
     out: tyro.conf.Positional[str]
     """Output folder: the SAE in SAELens format, metrics.jsonl, checkpoints, summary.json."""
@@ -164,6 +166,10 @@ class SaeTrainConfig:
     signum_average_power: float = 1.0
     """signum: step k enters the average x with weight k^power * lr_max^2 (sparsify: 0, a plain
     average; 1 weighs recent steps more and, with beta 0.98, measured better)."""
+    signum_encoder_step: float | None = None
+    """signum: W_enc's steps are its size relative to W_dec's at the start times this (sign
+    steps move every weight by the same amount whatever its size). Default per architecture:
+    1/sqrt(2) for topk, sqrt(2) for batchtopk and matryoshka (measured: docs/BENCHMARKS.md)."""
     learning_rate: float | None = None
     """Learning rate (default: C / sqrt(d_sae / 16384), Gao et al.'s width scaling; adam: C =
     3.2e-3 for the unit decoder start and 8e-4 for the small one; signum: C = 7e-3, its encoder
@@ -224,6 +230,8 @@ class SaeTrainConfig:
             raise AssayError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
         if not 0 < self.signum_momentum <= 1 or self.signum_average_power < 0:
             raise AssayError("--signum_momentum must lie in (0, 1] and --signum_average_power be >= 0")
+        if self.signum_encoder_step is not None and not self.signum_encoder_step > 0:
+            raise AssayError(f"--signum_encoder_step must be positive, got {self.signum_encoder_step}")
         if min(self.dead_window_tokens, self.aux_window) <= 0:
             raise AssayError("--dead_window_tokens and --aux_window_tokens must be positive")
         if self.lr_warmup_steps is not None and self.lr_warmup_steps < 0:

@@ -243,7 +243,9 @@ class Trainee:
             assert first_fill is not None
             init_from_data(sae, first_fill[:, self.cols])
         Distributed.current().broadcast_module_(sae)  # rank 0's initialisation everywhere (as DDP does)
-        self.opt = make_optimizer(sae, self.base_lr, kind, cfg.signum_momentum, cfg.signum_average_power)
+        self.opt = make_optimizer(
+            sae, self.base_lr, kind, cfg.signum_momentum, cfg.signum_average_power, cfg.signum_encoder_step
+        )
         self.dead = DeadLatents(sae.d_sae, cfg.dead_window_tokens, cfg.aux_window)
         self.log = MetricsLog(self.run_dir / "metrics.jsonl", self.wandb_run)
         if resuming:  # every rank reads the same files

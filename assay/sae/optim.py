@@ -130,7 +130,6 @@ def averaged(opt: torch.optim.Optimizer) -> Iterator[None]:
 # ---- the SAE's optimizers and their defaults ----------------------------------------
 UNIT_LR_C = 3.2e-3  # default_learning_rate's constant for unit-norm decoders (docs/BENCHMARKS.md)
 SIGNUM_LR_C = 7e-3  # signum's constant (1.4x sparsify's 5e-3; measured, docs/BENCHMARKS.md)
-SIGNUM_ENCODER_STEP = 2**-0.5  # signum: W_enc's steps relative to its size (measured, as above)
 RENORM = "zx"  # signum: which points normalise_decoder puts back on the unit sphere (measured)
 
 
@@ -150,19 +149,25 @@ def default_learning_rate(d_sae: int, unit_decoder: bool = False, optimizer: str
 
 
 def make_optimizer(
-    sae: SparseAutoencoder, lr: float, kind: str = "adam", momentum: float = 0.98, average_power: float = 1.0
+    sae: SparseAutoencoder,
+    lr: float,
+    kind: str = "adam",
+    momentum: float = 0.98,
+    average_power: float = 1.0,
+    encoder_step: float | None = None,
 ) -> torch.optim.Optimizer:
     """Adam or schedule-free sign-SGD ("signum") on the fp32 parameters (state fp32 too);
     JumpReLU's thresholds step at their own rate (`threshold_groups`).
 
     Signum moves every weight by lr per step whatever its size, and the fitted unit start makes
     the encoder c times smaller than the decoder (c ~ 0.5): W_enc gets its own group whose
-    steps are scaled by its size relative to W_dec's now, times SIGNUM_ENCODER_STEP. Build it
-    after the start is set; a checkpoint restores the scale it was trained with.
+    steps are scaled by its size relative to W_dec's now, times `encoder_step` (default: the
+    architecture's `signum_encoder_step`). Build it after the start is set; a checkpoint
+    restores the scale it was trained with.
     """
     encoder: list[dict[str, Any]] = []
     if kind == "signum":
-        encoder = [{"params": [sae.W_enc], "step_scale": encoder_step_scale(sae)}]
+        encoder = [{"params": [sae.W_enc], "step_scale": encoder_step_scale(sae, encoder_step)}]
     thresholds = threshold_groups(sae)
     own = {id(p) for group in encoder + thresholds for p in group["params"]}
     rest: dict[str, Any] = {"params": [p for p in sae.parameters() if id(p) not in own]}
@@ -181,11 +186,12 @@ def threshold_groups(sae: SparseAutoencoder) -> list[dict[str, Any]]:
 
 
 @torch.no_grad()
-def encoder_step_scale(sae: SparseAutoencoder) -> float:
-    """SIGNUM_ENCODER_STEP * |W_enc| / |W_dec| (Frobenius norms; 1 where either is 0)."""
+def encoder_step_scale(sae: SparseAutoencoder, factor: float | None = None) -> float:
+    """factor * |W_enc| / |W_dec| (Frobenius norms; the ratio 1 where either is 0); factor
+    defaults to the architecture's `signum_encoder_step`."""
     enc, dec = float(sae.W_enc.float().norm()), float(sae.W_dec.float().norm())
     ratio = enc / dec if enc > 0 and dec > 0 and math.isfinite(enc / dec) else 1.0
-    return SIGNUM_ENCODER_STEP * ratio
+    return (sae.rule.signum_encoder_step if factor is None else factor) * ratio
 
 
 @torch.no_grad()

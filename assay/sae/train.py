@@ -38,7 +38,6 @@ from assay.sae.loop import (  # noqa: F401  (re-exported: the loop's public name
 from assay.sae.model import SparseAutoencoder
 from assay.sae.optim import (  # noqa: F401  (re-exported: the SAE's optimizer API)
     RENORM,
-    SIGNUM_ENCODER_STEP,
     SIGNUM_LR_C,
     UNIT_LR_C,
     ScheduleFreeSignSGD,

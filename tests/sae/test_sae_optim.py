@@ -125,24 +125,30 @@ def test_unit_decoder_rows_stay_unit_at_the_base_and_averaged_points() -> None:
         torch.testing.assert_close(sae.W_dec.detach().norm(dim=1), torch.ones(64))  # the saved SAE
 
 
-def test_signum_steps_the_encoder_in_proportion_to_its_fitted_size() -> None:
+@pytest.mark.parametrize(
+    ("architecture", "given", "factor"),
+    [("topk", None, 2**-0.5), ("batchtopk", None, 2**0.5), ("matryoshka", None, 2**0.5), ("topk", 1.5, 1.5)],
+)
+def test_signum_steps_the_encoder_in_proportion_to_its_fitted_size(
+    architecture: str, given: float | None, factor: float
+) -> None:
     """After the fitted unit start W_enc is c times W_dec's transpose: its sign steps are
-    lr * c * SIGNUM_ENCODER_STEP per entry, every other parameter's lr."""
+    lr * c * factor per entry (the architecture's factor, or the one given), every other
+    parameter's lr."""
     from assay.sae.model import SparseAutoencoder
-    from assay.sae.train import SIGNUM_ENCODER_STEP
 
     torch.manual_seed(0)
-    sae = SparseAutoencoder(16, 64, SaeArchConfig(architecture="topk", k=4))
+    sae = SparseAutoencoder(16, 64, SaeArchConfig(architecture=architecture, k=4, matryoshka_widths=[16, 32]))
     x = torch.randn(256, 16) * 3 + 1
     c = sae.fit_encoder_scale(x)
     assert 0 < c < 0.9  # the plain transpose over-shoots, so the fit shrinks the encoder
-    opt = make_optimizer(sae, 0.05, "signum")
+    opt = make_optimizer(sae, 0.05, "signum", encoder_step=given)
     start = {n: q.detach().clone() for n, q in sae.named_parameters()}
     sae.train_forward(x, None, 0.0).loss.backward()
     opt.step()
     for name, q in sae.named_parameters():
         moved = (opt.state[q]["z"] - start[name]).abs()
-        step = 0.05 * (c * SIGNUM_ENCODER_STEP if name == "W_enc" else 1.0)
+        step = 0.05 * (c * factor if name == "W_enc" else 1.0)
         assert float(moved.max()) == pytest.approx(step, rel=1e-4), name
         assert bool(((moved < 1e-7) | ((moved - step).abs() < 1e-5)).all()), name  # 0 or one step
 
@@ -168,6 +174,8 @@ def test_optimizer_option_resolves_and_round_trips_through_json() -> None:
     assert SaeTrainConfig(out="o", optimizer="adam", aux_window_tokens=512).aux_window == 512
     with pytest.raises(AssayError, match="--aux_window_tokens must be positive"):
         SaeTrainConfig(out="o", aux_window_tokens=0)
+    with pytest.raises(AssayError, match="--signum_encoder_step must be positive"):
+        SaeTrainConfig(out="o", signum_encoder_step=0.0)
 
 
 def test_unknown_optimizer_is_a_one_line_error(capsys) -> None:  # type: ignore[no-untyped-def]
@@ -203,14 +211,17 @@ def test_a_checkpoint_is_resumed_only_by_the_optimizer_and_layout_that_wrote_it(
 
 def test_a_config_saved_before_the_options_existed_replays_as_it_ran() -> None:
     """`assay replay` of an old run: no --optimizer meant Adam, no --decoder_init the small start,
-    no --jumprelu_threshold_lr thresholds at the weights' rate."""
+    no --jumprelu_threshold_lr thresholds at the weights' rate, no --signum_encoder_step the
+    encoder at 1/sqrt(2) for every architecture."""
     from assay.core.runs import config_from_dict, config_to_dict
 
     saved = config_to_dict(SaeTrainConfig(out="o"))
     del saved["optimizer"], saved["sae"]["decoder_init"], saved["sae"]["jumprelu_threshold_lr"]
+    del saved["signum_encoder_step"]
     old = config_from_dict(SaeTrainConfig, saved)
     assert (old.optimizer, old.sae.decoder_init, old.optimizer_name) == ("adam", "small", "adam")
     assert old.sae.jumprelu_threshold_lr == 1.0 and SaeArchConfig().jumprelu_threshold_lr == 10.0
+    assert old.signum_encoder_step == 2**-0.5 and SaeTrainConfig(out="o").signum_encoder_step is None
     assert config_from_dict(SaeTrainConfig, config_to_dict(SaeTrainConfig(out="o"))).optimizer == "auto"
 
 
@@ -245,3 +256,24 @@ def test_jumprelu_thresholds_step_at_their_own_multiple_of_the_learning_rate(kin
             torch.testing.assert_close(moved[10.0][name], moved[1.0][name])
     with pytest.raises(AssayError, match="jumprelu_threshold_lr must be positive"):
         SaeArchConfig(architecture="jumprelu", jumprelu_threshold_lr=0.0)
+
+
+@pytest.mark.parametrize(
+    ("architecture", "given"), [("batchtopk", None), ("batchtopk", 0.25), ("topk", None)]
+)
+def test_the_training_run_gives_the_optimizer_its_encoder_step(tmp_path, architecture: str, given) -> None:  # type: ignore[no-untyped-def]
+    """`--signum_encoder_step` (or the architecture's default) is what the run's optimizer steps
+    W_enc with: scale = factor * |W_enc| / |W_dec| at the start."""
+    from assay.sae.loop import Trainee
+    from assay.sae.model import SparseAutoencoder
+
+    torch.manual_seed(0)
+    arch = SaeArchConfig(architecture=architecture, k=4)
+    cfg = SaeTrainConfig(out=str(tmp_path / "o"), sae=arch, signum_encoder_step=given)
+    trainee = Trainee(SparseAutoencoder(16, 64, arch), cfg, tmp_path)
+    trainee.start(torch.randn(512, 16) * 3 + 1)
+    sae = trainee.sae
+    factor = given if given is not None else sae.rule.signum_encoder_step
+    ratio = float(sae.W_enc.detach().norm() / sae.W_dec.detach().norm())
+    assert trainee.opt.param_groups[0]["step_scale"] == pytest.approx(factor * ratio, rel=1e-5)
+    assert trainee.opt.param_groups[0]["params"][0] is sae.W_enc

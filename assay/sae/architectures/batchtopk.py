@@ -39,6 +39,9 @@ class BatchTopK(TopK):
     saved_threshold = True
     tracks_min_kept = True
     aux_window_default = 16_384  # as topk: 3.4% dead instead of 15.8% after 100 (docs/BENCHMARKS.md)
+    # twice topk's: a lower FVU on LM activations from 30 to 256 steps and more true features
+    # recovered on synthetic ones (docs/BENCHMARKS.md, "The encoder's step per architecture")
+    signum_encoder_step = 2**0.5
 
     def select(self, pre: Tensor) -> tuple[Tensor, Tensor]:
         return topk_over_batch(pre, self.cfg.k)
