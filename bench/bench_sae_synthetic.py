@@ -175,7 +175,7 @@ def train_assay(
     kind = "signum" if cfg.unit_decoder else "adam"
     lr = default_learning_rate(args.d_sae, cfg.unit_decoder, kind)
     warmup, decay = (0, 0.0) if kind == "signum" else (WARMUP, DECAY)
-    opt = make_optimizer(sae, lr, kind, encoder_step=getattr(args, "signum_encoder_step", None))
+    opt = make_optimizer(sae, lr, kind, encoder_step=args.signum_encoder_step)
     policy = PrecisionPolicy.resolve(precision, first.device)
     window = DEAD_WINDOW_STEPS * args.batch
     aux_window = default_aux_window(arch, kind, args.batch, window)  # assay's AuxK default

@@ -233,6 +233,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--l1_coefficient", type=float, default=5.0)
     p.add_argument("--jumprelu_init_threshold", type=float, default=0.01)
     p.add_argument("--jumprelu_threshold_lr", type=float, default=None)
+    p.add_argument("--signum_encoder_step", type=float, default=None)
     p.add_argument(
         "--profile_steps", type=int, default=0, help="profile this many steps (over 5) of the first arch"
     )
