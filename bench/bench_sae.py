@@ -7,7 +7,8 @@
 `prepare` caches activations of the bundled general text (shakespeare train: training
 tokens; eval: 16,384 held-out tokens) with assay's own cache writer. `run` trains TopK SAEs
 on them (same batches, same order as the peers; see bench_sae_common.py) and prints one
-JSON line per configuration: tokens/s of the SAE step (LM excluded), FVU, L0, dead fraction.
+JSON line per configuration: tokens/s of the SAE step (LM excluded), FVU, L0, dead fraction (and
+`dead_all_negative`: the dead latents with no pre-activation above 0 on the last batch).
 """
 
 from __future__ import annotations
@@ -101,6 +102,7 @@ def run_ours(
     d_in = train.shape[1]
     kw = {"k": args.k, "sparse_kernels": sparse, "decoder_init": init, "aux_coefficient": args.aux}
     kw["aux_k"] = args.aux_k
+    kw["aux_straight_through"] = not args.no_aux_straight_through
     arch = SaeArchConfig(architecture=args.architecture, **kw)  # type: ignore[arg-type]
     sae = SparseAutoencoder(d_in, d_sae, arch)
     with torch.no_grad():
@@ -125,6 +127,8 @@ def run_ours(
         step_lr = lr_at(i, args.steps, lr, warmup, decay)
         train_step(sae, opt, x, dead, policy, step_lr, 0.0, 1.0, first=i == 0)
     speed = timer.tokens_per_s(args.batch)
+    with torch.no_grad():  # dead latents out of AuxK's reach behind the ReLU: no pre-activation > 0
+        unreachable = dead.mask() & (sae.pre_acts(data[-1]).amax(0) <= 0).cpu()
     with averaged(opt):  # signum: the averaged point x
         ema = float(sae.threshold_buf[0])  # BatchTopK kinds: training's EMA of the kept minimum
         calibrate_threshold(sae, data[-1])  # the threshold assay saves
@@ -146,6 +150,8 @@ def run_ours(
         "aux_window": dead.aux_window,
         "encoder_step_scale": opt.param_groups[0].get("step_scale", 1.0),
         "aux_k": sae.aux_k,
+        "aux_straight_through": arch.aux_straight_through,
+        "dead_all_negative": float(unreachable.double().mean()),
         "seed": args.seed,
     }
 
@@ -239,6 +245,7 @@ def main() -> None:
     p.add_argument("--encoder_step", type=float, default=None, help="signum: W_enc's step (default: arch's)")
     p.add_argument("--plain_encoder_step", action="store_true", help="signum: W_enc steps like the rest")
     p.add_argument("--aux_k", type=int, default=None, help="AuxK latents per token (default k)")
+    p.add_argument("--no_aux_straight_through", action="store_true", help="AuxK behind the ReLU's gradient")
     p.add_argument(
         "--aux_window", type=int, default=None, help="AuxK: tokens silent (default: assay's default)"
     )

@@ -165,7 +165,7 @@ def train_assay(
         architecture=arch, k=k, matryoshka_widths=matryoshka_widths(args.d_sae),
         l1_coefficient=args.l1_coefficient, l0_coefficient=args.l0_coefficient,
         jumprelu_init_threshold=args.jumprelu_init_threshold,
-        **own,
+        aux_straight_through=not args.no_aux_straight_through, **own,
     )  # fmt: skip
     base = coefficients(args).get(arch, 0.0)  # the sparsity penalty's weight (0: TopK-type)
     sae = SparseAutoencoder(first.shape[1], args.d_sae, cfg).to(first.device)
@@ -372,6 +372,10 @@ def main() -> None:
     p.add_argument(
         "--signum_encoder_step", type=float, default=None,
         help="assay's --signum_encoder_step (default: the architecture's)",
+    )  # fmt: skip
+    p.add_argument(
+        "--no_aux_straight_through", action="store_true",
+        help="assay's --no_aux_straight_through (AuxK behind the ReLU's gradient, as before it)",
     )  # fmt: skip
     p.add_argument(
         "--at_l0", type=float, nargs="*", default=[],

@@ -30,9 +30,14 @@ FP16_REFUSAL = (
 class SaeArchConfig:
     """The SAE itself: architecture, width and sparsity."""
 
-    LEGACY_DEFAULTS: ClassVar[dict[str, object]] = {"decoder_init": "small", "jumprelu_threshold_lr": 1.0}
-    """Saved configs from before --decoder_init trained with the small start, and from before
-    --jumprelu_threshold_lr with thresholds at the weights' learning rate."""
+    LEGACY_DEFAULTS: ClassVar[dict[str, object]] = {
+        "decoder_init": "small",
+        "jumprelu_threshold_lr": 1.0,
+        "aux_straight_through": False,
+    }
+    """Saved configs from before --decoder_init trained with the small start, from before
+    --jumprelu_threshold_lr with thresholds at the weights' learning rate, and from before
+    --aux_straight_through with AuxK behind the ReLU's gradient."""
 
     architecture: Architecture = "topk"
     """relu (ReLU + L1), topk (exactly k latents per token), batchtopk (k per token on average
@@ -65,6 +70,13 @@ class SaeArchConfig:
     main code does; Gao et al. use d_in / 2, which measured no better here: docs/BENCHMARKS.md)."""
     aux_coefficient: float = 1 / 32
     """Weight of the AuxK loss against dead latents (0 switches it off)."""
+    aux_straight_through: bool = True
+    """AuxK's gradient reaches the dead latents it picks straight through the ReLU, so a latent
+    whose pre-activations have all fallen below 0 can revive: its pre-activation rises on the
+    tokens whose residual lies along its decoder row (its value stays relu(pre) = 0, so the row
+    itself moves once the latent fires). Behind the ReLU (--no_aux_straight_through, Gao et
+    al.'s AuxK) such a latent gets no gradient and stays dead, as nearly all of the latents
+    still dead after 256 steps in docs/BENCHMARKS.md were."""
     decoder_init: DecoderInit = "auto"
     """unit: decoder rows of norm 1, kept at norm 1 through training (the gradient along each
     row is removed and rows are renormalised after every step), encoder = the decoder's

@@ -41,9 +41,10 @@ class SparseEncode(torch.autograd.Function):
     """relu(pre[rows, cols]) for selected entries, with a backward that stays sparse.
 
     pre = (x - b_in) @ W_enc + b_enc, where b_in is b_dec for an SAE and None for a transcoder
-    (whose b_dec lives in the output space). Gradients: b_enc and W_enc only at selected
-    (row, col) pairs; b_in through -W_enc @ (column sums of the pre-activation gradient).
-    x gets none (it is data).
+    (whose b_dec lives in the output space). `select(pre)` returns (rows, cols, n_gated): the
+    first n_gated entries take the ReLU's gradient, the rest (AuxK's revival entries) take it
+    straight through. Gradients: b_enc and W_enc only at selected (row, col) pairs; b_in
+    through -W_enc @ (column sums of the pre-activation gradient). x gets none (it is data).
     """
 
     @staticmethod
@@ -52,18 +53,20 @@ class SparseEncode(torch.autograd.Function):
     ) -> Any:
         x_c = x - b_in if b_in is not None else x  # [N, d_in]
         pre = torch.addmm(b_enc, x_c, W_enc)  # [N, d_sae]; bf16 under autocast
-        rows, cols = select(pre)  # [nnz] each
+        rows, cols, n_gated = select(pre)  # [nnz] each
         raw = pre[rows, cols].float()
         vals = raw.clamp_min(0)
-        ctx.save_for_backward(x_c, W_enc, rows, cols, raw > 0)
+        passes = raw > 0
+        passes[n_gated:] = True
+        ctx.save_for_backward(x_c, W_enc, rows, cols, passes)
         ctx.has_b_in = b_in is not None
         ctx.mark_non_differentiable(rows, cols)
         return vals, rows, cols
 
     @staticmethod
     def backward(ctx: Any, g_vals: Tensor, *_: Any) -> Any:
-        x_c, W_enc, rows, cols, positive = ctx.saved_tensors
-        g = (g_vals * positive).to(W_enc.dtype)  # [nnz]
+        x_c, W_enc, rows, cols, passes = ctx.saved_tensors
+        g = (g_vals * passes).to(W_enc.dtype)  # [nnz]
         n, d_sae = x_c.shape[0], W_enc.shape[1]
         grad_b_enc = torch.zeros(d_sae, dtype=W_enc.dtype, device=g.device).index_add_(0, cols, g)
         # grad_W_enc.T = S.T @ x_c with S [N, d_sae] holding g at the selected entries; a
@@ -222,6 +225,11 @@ def _batch_candidates(flat: Tensor, m: int, d_sae: int) -> Tensor | None:
         if len(cand) >= m:  # so the m-th largest is >= threshold: every one of the m is here
             return cand
     return None
+
+
+def relu_straight_through(v: Tensor) -> Tensor:
+    """relu(v) forward, the identity's gradient backward (AuxK's revival entries)."""
+    return v + (v.clamp_min(0) - v).detach()
 
 
 def select_aux(pre: Tensor, dead: Tensor, k_aux: int) -> tuple[Tensor, Tensor]:

@@ -212,16 +212,17 @@ def test_a_checkpoint_is_resumed_only_by_the_optimizer_and_layout_that_wrote_it(
 def test_a_config_saved_before_the_options_existed_replays_as_it_ran() -> None:
     """`assay replay` of an old run: no --optimizer meant Adam, no --decoder_init the small start,
     no --jumprelu_threshold_lr thresholds at the weights' rate, no --signum_encoder_step the
-    encoder at 1/sqrt(2) for every architecture."""
+    encoder at 1/sqrt(2) for every architecture, no --aux_straight_through AuxK behind the ReLU."""
     from assay.core.runs import config_from_dict, config_to_dict
 
     saved = config_to_dict(SaeTrainConfig(out="o"))
     del saved["optimizer"], saved["sae"]["decoder_init"], saved["sae"]["jumprelu_threshold_lr"]
-    del saved["signum_encoder_step"]
+    del saved["signum_encoder_step"], saved["sae"]["aux_straight_through"]
     old = config_from_dict(SaeTrainConfig, saved)
     assert (old.optimizer, old.sae.decoder_init, old.optimizer_name) == ("adam", "small", "adam")
     assert old.sae.jumprelu_threshold_lr == 1.0 and SaeArchConfig().jumprelu_threshold_lr == 10.0
     assert old.signum_encoder_step == 2**-0.5 and SaeTrainConfig(out="o").signum_encoder_step is None
+    assert not old.sae.aux_straight_through and SaeArchConfig().aux_straight_through
     assert config_from_dict(SaeTrainConfig, config_to_dict(SaeTrainConfig(out="o"))).optimizer == "auto"
 
 

@@ -15,7 +15,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from assay.sae.architectures.base import Architecture, TrainOutput, register
-from assay.sae.kernels import SparseCodes, SparseEncode, offsets, select_aux, topk_per_token
+from assay.sae.kernels import (
+    SparseCodes,
+    SparseEncode,
+    offsets,
+    relu_straight_through,
+    select_aux,
+    topk_per_token,
+)
 
 if TYPE_CHECKING:
     from assay.sae.model import SparseAutoencoder
@@ -24,6 +31,8 @@ if TYPE_CHECKING:
 class Selector:
     """Selection rule run inside `SparseEncode`: main entries, then AuxK entries (if any).
 
+    Returns (rows, cols, n_gated): AuxK's entries come after the main ones and, with
+    `aux_straight_through`, take the ReLU's gradient straight through (`SparseEncode`).
     `n_main` tells the caller where the main entries end in the concatenated output.
     """
 
@@ -31,13 +40,14 @@ class Selector:
         self.arch, self.dead, self.k_aux = arch, dead, k_aux
         self.n_main = 0
 
-    def __call__(self, pre: Tensor) -> tuple[Tensor, Tensor]:
+    def __call__(self, pre: Tensor) -> tuple[Tensor, Tensor, int]:
         rows, cols = self.arch.select(pre.detach())
         self.n_main = rows.numel()
         if self.k_aux == 0 or self.dead is None:
-            return rows, cols
+            return rows, cols, self.n_main
         a_rows, a_cols = select_aux(pre.detach(), self.dead, self.k_aux)
-        return torch.cat([rows, a_rows]), torch.cat([cols, a_cols])
+        n_gated = self.n_main if self.arch.cfg.aux_straight_through else self.n_main + a_rows.numel()
+        return torch.cat([rows, a_rows]), torch.cat([cols, a_cols]), n_gated
 
 
 @register
@@ -104,7 +114,9 @@ class TopK(Architecture):
         if dead is None or int(dead.sum()) == 0 or self.cfg.aux_coefficient <= 0:
             return None
         r, c = select_aux(pre.detach(), dead, min(sae.aux_k, int(dead.sum())))
-        return SparseCodes(r, c, F.relu(pre[r, c].float()), offsets(r, len(pre)))
+        raw = pre[r, c].float()
+        vals = relu_straight_through(raw) if self.cfg.aux_straight_through else F.relu(raw)
+        return SparseCodes(r, c, vals, offsets(r, len(pre)))
 
     # ---- format --------------------------------------------------------------------
     def save_fields(self) -> dict[str, Any]:
