@@ -165,7 +165,7 @@ def train_assay(
         architecture=arch, k=k, matryoshka_widths=matryoshka_widths(args.d_sae),
         l1_coefficient=args.l1_coefficient, l0_coefficient=args.l0_coefficient,
         jumprelu_init_threshold=args.jumprelu_init_threshold,
-        aux_straight_through=not args.no_aux_straight_through, **own,
+        aux_straight_through=not args.no_aux_straight_through, aux_k=args.aux_k, **own,
     )  # fmt: skip
     base = coefficients(args).get(arch, 0.0)  # the sparsity penalty's weight (0: TopK-type)
     sae = SparseAutoencoder(first.shape[1], args.d_sae, cfg).to(first.device)
@@ -373,6 +373,7 @@ def main() -> None:
         "--signum_encoder_step", type=float, default=None,
         help="assay's --signum_encoder_step (default: the architecture's)",
     )  # fmt: skip
+    p.add_argument("--aux_k", type=int, default=None, help="assay's --aux_k (default: k)")
     p.add_argument(
         "--no_aux_straight_through", action="store_true",
         help="assay's --no_aux_straight_through (AuxK behind the ReLU's gradient, as before it)",

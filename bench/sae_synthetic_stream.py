@@ -235,6 +235,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--jumprelu_threshold_lr", type=float, default=None)
     p.add_argument("--signum_encoder_step", type=float, default=None)
     p.add_argument("--no_aux_straight_through", action="store_true")
+    p.add_argument("--aux_k", type=int, default=None)
     p.add_argument(
         "--profile_steps", type=int, default=0, help="profile this many steps (over 5) of the first arch"
     )
