@@ -23,6 +23,8 @@ from assay.attribution.kfac import ModuleFactors
 from assay.core.precision import PrecisionPolicy
 from assay.lm.data import Examples, collate
 from assay.lm.losses import example_losses
+from assay.sae.config import SaeArchConfig
+from assay.sae.model import SparseAutoencoder
 
 ROOT = Path(__file__).resolve().parents[1]
 FP32 = PrecisionPolicy.resolve("fp32", "cpu")
@@ -276,3 +278,18 @@ def interrupt_on(monkeypatch: Any, module: Any, name: str, call: int) -> None:
         return real(*args, **kw)
 
     monkeypatch.setattr(module, name, dies)
+
+
+# ---- sparse autoencoders --------------------------------------------------------------------
+def make_sae(
+    arch: str, d_in: int = 16, d_sae: int = 128, k: int = 4, seed: int = 0, **kw
+) -> SparseAutoencoder:
+    """A small SAE of `arch` (SaeArchConfig fields in kw), seeded, with biases and an encoder
+    scale away from their starts."""
+    torch.manual_seed(seed)
+    sae = SparseAutoencoder(d_in, d_sae, SaeArchConfig(architecture=arch, k=k, **kw))  # type: ignore[arg-type]
+    with torch.no_grad():  # non-trivial biases so every term of the maths is exercised
+        sae.b_dec.normal_(0, 0.3)
+        sae.b_enc.normal_(0, 0.1)
+        sae.W_enc.mul_(10)
+    return sae
