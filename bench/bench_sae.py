@@ -122,10 +122,19 @@ def run_ours(
     aux_window = args.aux_window or default_aux_window(args.architecture, args.optimizer, args.batch, window)
     dead = DeadLatents(d_sae, window=window, aux_window=aux_window)  # AuxK: assay's default window
     timer = Timer()
+    encoder_scale = opt.param_groups[0].get("step_scale", 1.0)
+    last_fired = torch.full((d_sae,), -1)  # --trace_firing: the last step each latent fired on
+    fired_per_step = []
     for i, x in enumerate(data):
         timer.step(i)
         step_lr = lr_at(i, args.steps, lr, warmup, decay)
-        train_step(sae, opt, x, dead, policy, step_lr, 0.0, 1.0, first=i == 0)
+        if args.encoder_warmup and args.optimizer == "signum":  # ablation: W_enc's step ramped up
+            opt.param_groups[0]["step_scale"] = encoder_scale * min(1.0, (i + 1) / args.encoder_warmup)
+        out = train_step(sae, opt, x, dead, policy, step_lr, 0.0, 1.0, first=i == 0)
+        if args.trace_firing:
+            fired = (out.counts > 0).cpu()
+            last_fired[fired] = i
+            fired_per_step.append(int(fired.sum()))
     speed = timer.tokens_per_s(args.batch)
     with torch.no_grad():  # dead latents out of AuxK's reach behind the ReLU: no pre-activation > 0
         unreachable = dead.mask() & (sae.pre_acts(data[-1]).amax(0) <= 0).cpu()
@@ -152,7 +161,19 @@ def run_ours(
         "aux_k": sae.aux_k,
         "aux_straight_through": arch.aux_straight_through,
         "dead_all_negative": float(unreachable.double().mean()),
+        "encoder_warmup": args.encoder_warmup,
         "seed": args.seed,
+        **(firing_trace(fired_per_step, last_fired, dead.mask()) if args.trace_firing else {}),
+    }
+
+
+def firing_trace(fired_per_step: list[int], last_fired: torch.Tensor, dead: torch.Tensor) -> dict:
+    """Latents firing at each step, and the step each latent dead at the end last fired on
+    (-1: never), as counts: when the dead latents stopped."""
+    steps, counts = torch.unique(last_fired[dead], return_counts=True)
+    return {
+        "fired_per_step": fired_per_step,
+        "dead_last_fired": {int(s): int(c) for s, c in zip(steps, counts)},
     }
 
 
@@ -246,6 +267,12 @@ def main() -> None:
     p.add_argument("--plain_encoder_step", action="store_true", help="signum: W_enc steps like the rest")
     p.add_argument("--aux_k", type=int, default=None, help="AuxK latents per token (default k)")
     p.add_argument("--no_aux_straight_through", action="store_true", help="AuxK behind the ReLU's gradient")
+    p.add_argument(
+        "--encoder_warmup", type=int, default=0, help="signum: W_enc's step ramped up over N steps (ablation)"
+    )
+    p.add_argument(
+        "--trace_firing", action="store_true", help="record latents firing per step and when the dead stopped"
+    )
     p.add_argument(
         "--aux_window", type=int, default=None, help="AuxK: tokens silent (default: assay's default)"
     )
