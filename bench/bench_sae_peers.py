@@ -76,16 +76,22 @@ def run_saelens(data: list, held: torch.Tensor, d_sae: int, args: argparse.Names
         feature_sampling_window=10**9,
     )
     timer = Timer()
+    fired_per_step: list[int] = []  # --trace_firing: latents that fired on each batch
 
     def provider():  # type: ignore[no-untyped-def]
         for i, x in enumerate(data):
+            if args.trace_firing and i > 0:  # the counters as the previous batch left them
+                fired_per_step.append(int((trainer.n_forward_passes_since_fired == 0).sum()))
             timer.step(i)
             yield x
 
     trainer = SAETrainer(cfg, sae, provider())
     trainer.fit()
     speed = timer.tokens_per_s(args.batch)
-    dead = float((trainer.n_forward_passes_since_fired >= DEAD_WINDOW_STEPS).float().mean())
+    since = trainer.n_forward_passes_since_fired
+    if args.trace_firing:
+        fired_per_step.append(int((since == 0).sum()))
+    dead = float((since >= DEAD_WINDOW_STEPS).float().mean())
     batch_q = {}
     if args.architecture != "topk":  # also k per token over the held-out batch, as in training
         batch_q = {f"batch_{m}": v for m, v in quality(sae, sae.encode, held).items()}
@@ -96,7 +102,16 @@ def run_saelens(data: list, held: torch.Tensor, d_sae: int, args: argparse.Names
         + ("" if args.architecture == "topk" else f"-{args.architecture}")
         + ("-bf16" if autocast else "")
     )
-    return record(name, "bf16" if autocast else "fp32", d_in, d_sae, args, speed, q, dead)
+    rec = record(name, "bf16" if autocast else "fp32", d_in, d_sae, args, speed, q, dead)
+    return rec | (firing_trace(fired_per_step, since, len(data)) if args.trace_firing else {})
+
+
+def firing_trace(fired_per_step: list[int], since: torch.Tensor, steps: int) -> dict:
+    """bench_sae.py's trace from SAELens's counters: latents firing at each step, and the step
+    each latent dead at the end last fired on (-1: never), as counts."""
+    last = torch.where(since >= steps, -1, steps - 1 - since.long())
+    at, counts = torch.unique(last[since >= DEAD_WINDOW_STEPS], return_counts=True)
+    return {"fired_per_step": fired_per_step, "dead_last_fired": dict(zip(at.tolist(), counts.tolist()))}
 
 
 def run_sparsify(
@@ -171,6 +186,9 @@ def main() -> None:
     p.add_argument("--decay", type=float, default=0.2)
     p.add_argument("--seed", type=int, default=0, help="batch order and initialisation")
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument(
+        "--trace_firing", action="store_true", help="latents firing per step, and when the dead stopped"
+    )
     args = p.parse_args()
     if args.architecture != "topk" and any(not peer.startswith("saelens") for peer in args.peers):
         p.error("sparsify trains TopK only: with --architecture, use --peers saelens [saelens-bf16]")
