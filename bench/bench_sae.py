@@ -22,7 +22,16 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_sae_common import DEAD_WINDOW_STEPS, Timer, batches, load_split, quality, record, scale_of  # noqa: E402
+from bench_sae_common import (  # noqa: E402
+    DEAD_WINDOW_STEPS,
+    Timer,
+    batches,
+    firing_trace,
+    load_split,
+    quality,
+    record,
+    scale_of,
+)
 
 from assay.core.config import DataConfig, ModelConfig  # noqa: E402
 from assay.core.memory import reuse_freed_memory  # noqa: E402
@@ -164,16 +173,6 @@ def run_ours(
         "encoder_warmup": args.encoder_warmup,
         "seed": args.seed,
         **(firing_trace(fired_per_step, last_fired, dead.mask()) if args.trace_firing else {}),
-    }
-
-
-def firing_trace(fired_per_step: list[int], last_fired: torch.Tensor, dead: torch.Tensor) -> dict:
-    """Latents firing at each step, and the step each latent dead at the end last fired on
-    (-1: never), as counts: when the dead latents stopped."""
-    steps, counts = torch.unique(last_fired[dead], return_counts=True)
-    return {
-        "fired_per_step": fired_per_step,
-        "dead_last_fired": {int(s): int(c) for s, c in zip(steps, counts)},
     }
 
 

@@ -113,3 +113,10 @@ def record(
         "dead_fraction": dead,
         **machine(),
     }
+
+
+def firing_trace(fired_per_step: list[int], last_fired: torch.Tensor, dead: torch.Tensor) -> dict[str, Any]:
+    """--trace_firing's record: latents firing at each step, and the step each latent dead at the
+    end last fired on (-1: never), as counts: when the dead latents stopped."""
+    steps, counts = torch.unique(last_fired[dead], return_counts=True)
+    return {"fired_per_step": fired_per_step, "dead_last_fired": dict(zip(steps.tolist(), counts.tolist()))}

@@ -31,6 +31,7 @@ from bench_sae_common import (  # noqa: E402
     DEAD_WINDOW_STEPS,
     Timer,
     batches,
+    firing_trace,
     load_split,
     quality,
     record,
@@ -103,15 +104,10 @@ def run_saelens(data: list, held: torch.Tensor, d_sae: int, args: argparse.Names
         + ("-bf16" if autocast else "")
     )
     rec = record(name, "bf16" if autocast else "fp32", d_in, d_sae, args, speed, q, dead)
-    return rec | (firing_trace(fired_per_step, since, len(data)) if args.trace_firing else {})
-
-
-def firing_trace(fired_per_step: list[int], since: torch.Tensor, steps: int) -> dict:
-    """bench_sae.py's trace from SAELens's counters: latents firing at each step, and the step
-    each latent dead at the end last fired on (-1: never), as counts."""
-    last = torch.where(since >= steps, -1, steps - 1 - since.long())
-    at, counts = torch.unique(last[since >= DEAD_WINDOW_STEPS], return_counts=True)
-    return {"fired_per_step": fired_per_step, "dead_last_fired": dict(zip(at.tolist(), counts.tolist()))}
+    if not args.trace_firing:
+        return rec
+    last_fired = torch.where(since >= len(data), -1, len(data) - 1 - since.long())  # -1: never
+    return rec | firing_trace(fired_per_step, last_fired, since >= DEAD_WINDOW_STEPS)
 
 
 def run_sparsify(
