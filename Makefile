@@ -66,8 +66,8 @@ targeted-demo: setup
 
 # The collector and scoring figures docs/BENCHMARKS.md keeps one table of per CPU family, on this
 # machine: `assay build` against bergson 2.5.1 (in $(PEERS)) on a random 2.1M-parameter Llama and on
-# SmolLM2-135M (the packaged checkpoint), whole processes alternated, then cached TrackStar against
-# the in-memory matmul. About 20 min on 2 quiet cores (run nothing else); each report in bench-out/*.txt
+# SmolLM2-135M (the packaged checkpoint), whole processes alternated (and each side once over one
+# tune: what its process holds before the loop), then cached TrackStar against the in-memory matmul. About 20 min on 2 quiet cores (run nothing else); each report in bench-out/*.txt
 # starts with the CPU model and ISA features.
 BENCH_OUT ?= bench-out
 .PHONY: bench-cpu
@@ -80,10 +80,10 @@ bench-cpu: setup
 	mkdir -p $(BENCH_OUT)
 	test -f $(BENCH_OUT)/tiny-2m/config.json || $(PY) bench/random_model.py tiny-2m $(BENCH_OUT)/tiny-2m
 	$(PY) bench/bench_build.py --model $(BENCH_OUT)/tiny-2m --tokens 20000 --repeats 3 \
-	    --precisions fp32 bf16 --floors sdpa-causal sdpa-segments --process_repeats 3 \
+	    --precisions fp32 bf16 --floors sdpa-causal sdpa-segments --process_repeats 3 --one_tune_process \
 	    --peer_python $(PEERS)/bin/python | tee $(BENCH_OUT)/build-tiny-2m.txt
 	$(PY) bench/bench_build.py --model smollm2-135m --tokens 3000 --repeats 2 \
-	    --precisions fp32 bf16 --floors sdpa-causal sdpa-segments --process_repeats 3 \
+	    --precisions fp32 bf16 --floors sdpa-causal sdpa-segments --process_repeats 3 --one_tune_process \
 	    --peer_python $(PEERS)/bin/python | tee $(BENCH_OUT)/build-smollm2.txt
 	$(PY) bench/bench_score.py --rows 100000 --dim 3584 --queries 4 --repeats 2 --rounds 3 \
 	    | tee $(BENCH_OUT)/score.txt

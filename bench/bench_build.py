@@ -253,9 +253,8 @@ def timed(cmd: list[str], env: dict | None = None) -> dict:
     return {"wall_s": float(wall_s), "peak_gb": int(rss_kb) / 1024**2}
 
 
-def process_benchmark(args, data: Path, precision: str, work: Path) -> dict:
-    """Alternating whole-process runs of `assay build` and (optionally) `bergson build`."""
-    model_dir = resolve_model_path(args.model)
+def build_commands(args, data: Path, precision: str, work: Path) -> tuple[list[str], list[str]]:
+    """`assay build` and `bergson build` over the same tunes, model, projection and token batch."""
     ours_cmd = [
         sys.executable,
         "-m",
@@ -268,6 +267,7 @@ def process_benchmark(args, data: Path, precision: str, work: Path) -> dict:
     ours_cmd += ["--dataset", str(data), "--precision", precision, "--projection_dim", str(args.p)]
     ours_cmd += ["--token_batch_size", str(args.token_batch_size), "--overwrite", "--threads", "0"]
     ours_cmd += ["--device", args.device]
+    model_dir = resolve_model_path(args.model)
     peer_cmd = [
         args.peer_python,
         "-m",
@@ -279,6 +279,14 @@ def process_benchmark(args, data: Path, precision: str, work: Path) -> dict:
     ]
     peer_cmd += ["--dataset", str(data), "--truncation", "--token_batch_size", str(args.token_batch_size)]
     peer_cmd += ["--projection_dim", str(args.p), "--overwrite", "--precision", _peer_precision(precision)]
+    return ours_cmd, peer_cmd
+
+
+def process_benchmark(args, data: Path, precision: str, work: Path) -> dict:
+    """Alternating whole-process runs of `assay build` and (optionally) `bergson build`; with
+    `--one_tune_process`, one more run of each over the first tune alone: what the process holds
+    before the loop's working set (imports, model, tokenizer, one small batch)."""
+    ours_cmd, peer_cmd = build_commands(args, data, precision, work)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     out: dict = {"ours": [], "peer": []}
     # the loop benchmark warms the tokenization cache and the page cache; without it, one untimed run
@@ -289,7 +297,33 @@ def process_benchmark(args, data: Path, precision: str, work: Path) -> dict:
         out["ours"].append(timed(ours_cmd, ours_env))
         if args.peer_python:
             out["peer"].append(timed(peer_cmd, env))
+    if args.one_tune_process:
+        one = work / "one-tune.jsonl"
+        one.write_text(data.read_text().splitlines()[0] + "\n")
+        (work / "one-tune").mkdir(exist_ok=True)
+        ours_one, peer_one = build_commands(args, one, precision, work / "one-tune")
+        out["ours_one_tune"] = timed(ours_one, ours_env)
+        if args.peer_python:
+            out["peer_one_tune"] = timed(peer_one, env)
     return out
+
+
+def process_line(precision: str, runs: dict) -> str:
+    """Median wall time and peak memory of each side's whole processes, and their ratios."""
+
+    def median(side: str, key: str) -> float:
+        return statistics.median(r[key] for r in runs[side])
+
+    line = f"{precision} whole process: assay build {median('ours', 'wall_s'):.2f} s, "
+    line += f"{median('ours', 'peak_gb'):.3f} GB"
+    if runs["peer"]:
+        line += f"; bergson build {median('peer', 'wall_s'):.2f} s, {median('peer', 'peak_gb'):.3f} GB"
+        line += f" (ratios {median('ours', 'wall_s') / median('peer', 'wall_s'):.2f}x time, "
+        line += f"{median('ours', 'peak_gb') / median('peer', 'peak_gb'):.2f}x memory)"
+    for side, name in (("ours_one_tune", "assay"), ("peer_one_tune", "bergson")):
+        if "peak_gb" in runs.get(side, {}):
+            line += f"; {name} on one tune {runs[side]['peak_gb']:.3f} GB"
+    return line
 
 
 def _peer_precision(precision: str) -> str:
@@ -322,6 +356,12 @@ def parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--no_process", action="store_true", help="skip whole-process runs")
     ap.add_argument("--no_loop", action="store_true", help="skip the in-process loop timing")
+    ap.add_argument(
+        "--one_tune_process",
+        action="store_true",
+        help="also run each side's whole process once over the first tune alone: the peak memory "
+        "it holds before the loop's working set",
+    )
     ap.add_argument(
         "--fp32_projection",
         action="store_true",
@@ -399,6 +439,8 @@ def main() -> None:
             if not args.no_process:
                 loop["process"] = process_benchmark(args, data, precision, work)
                 print(json.dumps(loop["process"]), flush=True)
+                if all("peak_gb" in r for r in loop["process"]["ours"] + loop["process"]["peer"]):
+                    print(process_line(precision, loop["process"]), flush=True)
             results["runs"].append(loop)
         if "fp32" in rows:
             for precision, r in rows.items():

@@ -70,6 +70,28 @@ def test_bergson_runs_beside_the_build_only_when_a_peer_python_is_given(tmp_path
     assert peer_steps("") == [] and peer_steps("/usr/bin/python3") == ["build-smol"]
 
 
+def test_both_builds_read_the_same_tunes_with_the_same_settings(tmp_path):
+    args = bench_build.parser().parse_args(["--model", "m", "--p", "8", "--token_batch_size", "512"])
+    ours, peer = bench_build.build_commands(args, tmp_path / "tunes.jsonl", "bf16", tmp_path)
+    for cmd in (ours, peer):
+        flags = dict(zip(cmd, cmd[1:]))
+        assert flags["--dataset"] == str(tmp_path / "tunes.jsonl") and flags["--projection_dim"] == "8"
+        assert flags["--token_batch_size"] == "512" and flags["--precision"] == "bf16"
+
+
+def test_process_line_gives_medians_their_ratios_and_the_one_tune_peaks():
+    runs = {
+        "ours": [{"wall_s": w, "peak_gb": m} for w, m in ((4.0, 0.50), (6.0, 0.52), (5.0, 0.51))],
+        "peer": [{"wall_s": 10.0, "peak_gb": 1.02}] * 3,
+        "ours_one_tune": {"wall_s": 3.0, "peak_gb": 0.4},
+        "peer_one_tune": {"error": "failed"},
+    }
+    line = bench_build.process_line("fp32", runs)
+    assert "assay build 5.00 s, 0.510 GB; bergson build 10.00 s, 1.020 GB" in line
+    assert "(ratios 0.50x time, 0.50x memory)" in line
+    assert line.endswith("; assay on one tune 0.400 GB")  # a failed run is left out, not a crash
+
+
 def test_an_overrunning_step_leaves_its_stack_and_a_finished_one_its_rc(capsys):
     slow = "import time\ndef waiting_here():\n    time.sleep(60)\nprint('started', flush=True)\n"
     slow += "waiting_here()"
