@@ -13,18 +13,21 @@ from contextlib import contextmanager
 
 M_MMAP_THRESHOLD = -3  # mallopt parameter numbers (malloc.h)
 M_TRIM_THRESHOLD = -1
-MMAP_THRESHOLD_BYTES = 1 << 20
+MMAP_THRESHOLD_BYTES = 2 << 20
 REUSE_LIMIT_BYTES = 1 << 30
 
 
 def return_freed_memory() -> None:
-    """Serve every allocation of 1 MiB or more from its own mapping, returned to the OS when freed.
+    """Serve every allocation of 2 MiB or more from its own mapping, returned to the OS when freed.
 
     glibc raises its mmap threshold after each large free (up to 32 MiB), so activation-sized
     tensors soon come from heap arenas, which fragment and keep freed memory, and a process's
     peak resident memory grows well past its live tensors (see bench/bench_build.py's peaks).
     Fixing the threshold, as the MALLOC_MMAP_THRESHOLD_ variable does, keeps the peak near the
-    live peak. A threshold the user set in the environment is left alone; no-op off glibc.
+    live peak. Each mapping is zeroed and faulted in anew, though, so the threshold is a trade:
+    at 1 MiB `assay build` on SmolLM2-135M took 12-13% longer than at 2 MiB for a peak 0-10%
+    lower (docs/BENCHMARKS.md, "The allocator's threshold"). A threshold the user set in the
+    environment is left alone; no-op off glibc.
     """
     _mallopt({M_MMAP_THRESHOLD: MMAP_THRESHOLD_BYTES})
 
