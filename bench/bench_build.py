@@ -439,7 +439,8 @@ def main() -> None:
             if not args.no_process:
                 loop["process"] = process_benchmark(args, data, precision, work)
                 print(json.dumps(loop["process"]), flush=True)
-                if all("peak_gb" in r for r in loop["process"]["ours"] + loop["process"]["peer"]):
+                runs = loop["process"]["ours"] + loop["process"]["peer"]
+                if runs and all("peak_gb" in r for r in runs):  # one line of medians and ratios
                     print(process_line(precision, loop["process"]), flush=True)
             results["runs"].append(loop)
         if "fp32" in rows:
