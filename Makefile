@@ -67,8 +67,9 @@ targeted-demo: setup
 # The collector and scoring figures docs/BENCHMARKS.md keeps one table of per CPU family, on this
 # machine: `assay build` against bergson 2.5.1 (in $(PEERS)) on a random 2.1M-parameter Llama and on
 # SmolLM2-135M (the packaged checkpoint), whole processes alternated (and each side once over one
-# tune: what its process holds before the loop), then cached TrackStar against the in-memory matmul. About 20 min on 2 quiet cores (run nothing else); each report in bench-out/*.txt
-# starts with the CPU model and ISA features.
+# tune: what its process holds before the loop), then cached TrackStar against the in-memory
+# matmul. About 20 min on 2 quiet cores (run nothing else); each report in bench-out/*.txt starts
+# with the CPU model and ISA features.
 BENCH_OUT ?= bench-out
 .PHONY: bench-cpu
 bench-cpu: SHELL := /bin/bash
