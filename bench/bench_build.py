@@ -266,7 +266,7 @@ def build_commands(args, data: Path, precision: str, work: Path) -> tuple[list[s
     ]
     ours_cmd += ["--dataset", str(data), "--precision", precision, "--projection_dim", str(args.p)]
     ours_cmd += ["--token_batch_size", str(args.token_batch_size), "--overwrite", "--threads", "0"]
-    ours_cmd += ["--device", args.device]
+    ours_cmd += ["--device", args.device] + [f"--{flag}" for flag in args.ours_flags]
     model_dir = resolve_model_path(args.model)
     peer_cmd = [
         args.peer_python,
@@ -370,6 +370,12 @@ def parser() -> argparse.ArgumentParser:
     )
     ap.add_argument(
         "--ours_env", nargs="*", default=[], help="VAR=VALUE set for `assay build` only (e.g. allocator)"
+    )
+    ap.add_argument(
+        "--ours_flags",
+        nargs="*",
+        default=[],
+        help="flags added to `assay build`'s whole-process command (e.g. keep_freed_memory, without --)",
     )
     ap.add_argument(
         "--masked_collector",

@@ -109,6 +109,29 @@ def test_token_batch_size_invariance(tmp_path, tiny_model_dir, many_jsonl):
     assert np.linalg.norm(a - b) <= 1e-5 * np.linalg.norm(b)
 
 
+def test_keep_freed_memory_switches_the_allocator_after_loading_and_keeps_the_rows(
+    tmp_path, tiny_model_dir, many_jsonl, monkeypatch
+):
+    steps: list[str] = []
+
+    def recorded(name, fn):
+        def call(*args, **kwargs):
+            steps.append(name)
+            return fn(*args, **kwargs)
+
+        monkeypatch.setattr(build_mod, name, call)
+
+    for name in ("load_model", "reuse_freed_memory", "write_rows"):
+        recorded(name, getattr(build_mod, name))
+    assert _build(tmp_path / "returned", tiny_model_dir, many_jsonl) == 0
+    assert steps == ["load_model", "write_rows"]  # the default hands freed blocks back
+    steps.clear()
+    assert _build(tmp_path / "kept", tiny_model_dir, many_jsonl, "--keep_freed_memory") == 0
+    # the load's transient copies are freed under the default policy; only the loop keeps memory
+    assert steps == ["load_model", "reuse_freed_memory", "write_rows"]
+    np.testing.assert_array_equal(_rows(tmp_path / "kept"), _rows(tmp_path / "returned"))
+
+
 def test_float16_store_and_overflow_is_loud():
     rows = torch.tensor([[1.0, -2.5, 3e-3]])
     assert build_mod._to_store(rows, "float16").dtype == np.float16
