@@ -4,6 +4,9 @@ corrections from per-example gradients, and invariance to batching, padding and 
 
 from __future__ import annotations
 
+import os
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -220,7 +223,12 @@ def _fit_shard(rank: int, world: int, store: str, out: str) -> None:
     )
     if rank == 0:
         save_factors(factors, out)
-    finish_process_group()  # as the CLI ends a run: a barrier, then the teardown
+    # as the CLI ends a run (assay.cli._finish_distributed): a barrier, the teardown, then an exit
+    # that skips interpreter finalization, where gloo's threads can still abort the process
+    finish_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @pytest.mark.slow
