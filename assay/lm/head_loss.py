@@ -14,8 +14,9 @@ loss in fp32; under fp16 the gradient matmul runs in fp32 (no loss-scale is know
 so small probabilities would underflow in fp16).
 
 Used only where it is exact: model types whose logits are the head's output as is (no
-soft-capping or logit scaling), a head that is an `nn.Linear` without hooks and without
-`requires_grad`. Everything else takes the plain path.
+soft-capping or logit scaling), a head that is an `nn.Linear` without hooks, and either without
+`requires_grad` or run without autograd (losses of a model being trained, evaluated under
+`torch.no_grad`). Everything else takes the plain path.
 """
 
 from __future__ import annotations
@@ -48,7 +49,9 @@ def fusable_head(model: nn.Module) -> nn.Linear | None:
     head = get_head() if callable(get_head) else None
     if type(head) is not nn.Linear:  # LoRA-wrapped or custom heads take the plain path
         return None
-    trainable = any(p.requires_grad for p in head.parameters())
+    # a head being trained needs its weight gradient, which the chunks do not give; without
+    # autograd (evaluation) only the losses are asked for, so a trainable head chunks too
+    trainable = torch.is_grad_enabled() and any(p.requires_grad for p in head.parameters())
     hooked = bool(head._forward_hooks or head._forward_pre_hooks or head._backward_hooks)
     return None if trainable or hooked else head
 

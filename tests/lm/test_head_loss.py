@@ -63,16 +63,24 @@ def test_chunked_head_follows_bf16_autocast():
     assert cos > 0.999
 
 
-def test_no_grad_losses_match():
+@pytest.mark.parametrize("trainable", [False, True])
+def test_no_grad_losses_match(trainable, monkeypatch):
+    """Without autograd the chunks need no head gradient: a head being trained (evaluated under
+    no_grad, as `assay finetune` evaluates) chunks as a frozen one does."""
+    monkeypatch.setattr(head_loss, "CHUNK_ELEMENTS", 128 * 5)  # 5 tokens a chunk: many chunks
+    monkeypatch.setattr(head_loss, "MIN_CHUNK_TOKENS", 1)
     model, batch = tiny_llama(), batch_with_prompts()
-    model.get_output_embeddings().weight.requires_grad_(False)
+    model.get_output_embeddings().weight.requires_grad_(trainable)
     with torch.no_grad():
+        assert fusable_head(model) is not None
         torch.testing.assert_close(example_losses(model, batch), plain_losses(model, batch))
 
 
 def test_plain_path_where_chunking_would_be_wrong():
     model = tiny_llama()
     assert fusable_head(model) is None, "a trainable head needs its weight gradient"
+    with torch.no_grad():
+        assert fusable_head(model) is not None, "unless no gradient is taken"
     frozen_head(model)
     handle = model.get_output_embeddings().register_forward_hook(lambda *a: None)
     assert fusable_head(model) is None, "a hooked head (collected or spliced) must run"
