@@ -6,17 +6,21 @@ a gradient-collection step. When the head's weight needs no gradient (gradient c
 fine-tuning), the gradient of each token's loss with respect to the head's input is known as soon
 as the loss is: (softmax − one-hot) · W. So `chunked_head_losses` computes logits, loss and that
 gradient chunk by chunk in the forward pass and keeps only the [tokens, hidden] gradient; peak
-memory no longer grows with the vocabulary.
+memory no longer grows with the vocabulary. A head being trained (full fine-tuning) needs its
+weight's gradient, which depends on each token's upstream gradient, known only in backward: the
+forward then keeps each token's log-sum-exp, and the backward computes the logits again chunk by
+chunk (one more head matmul) for the hidden, weight and bias gradients, summed in fp32.
 
 Numerics follow the plain path (`logits = head(h)` under the precision policy, then fp32
 cross-entropy): the head's matmuls run in the autocast dtype when autocast is on, the softmax and
 loss in fp32; under fp16 the gradient matmul runs in fp32 (no loss-scale is known in the forward,
-so small probabilities would underflow in fp16).
+so small probabilities would underflow in fp16). A trained head's weight gradient is each
+chunk's product summed in fp32, where the plain path rounds the whole product once to the
+autocast dtype.
 
 Used only where it is exact: model types whose logits are the head's output as is (no
-soft-capping or logit scaling), a head that is an `nn.Linear` without hooks, and either without
-`requires_grad` or run without autograd (losses of a model being trained, evaluated under
-`torch.no_grad`). Everything else takes the plain path.
+soft-capping or logit scaling) and a head that is an `nn.Linear` without hooks. Everything else
+takes the plain path, and so do second derivatives (the backward works in place on its buffers).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 # Model types whose causal-LM forward returns `lm_head(last_hidden_state)` unchanged.
 PLAIN_HEAD_MODEL_TYPES = frozenset(
@@ -49,11 +54,8 @@ def fusable_head(model: nn.Module) -> nn.Linear | None:
     head = get_head() if callable(get_head) else None
     if type(head) is not nn.Linear:  # LoRA-wrapped or custom heads take the plain path
         return None
-    # a head being trained needs its weight gradient, which the chunks do not give; without
-    # autograd (evaluation) only the losses are asked for, so a trainable head chunks too
-    trainable = torch.is_grad_enabled() and any(p.requires_grad for p in head.parameters())
     hooked = bool(head._forward_hooks or head._forward_pre_hooks or head._backward_hooks)
-    return None if trainable or hooked else head
+    return None if hooked else head
 
 
 class _Capture(nn.Module):
@@ -92,46 +94,69 @@ def _losses_and_grads(
     targets: torch.Tensor,
     dtype: torch.dtype,
     need_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """([N] fp32 token losses, [N, H] fp32 d loss/d hidden or None), a chunk of tokens at a time.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """([N] fp32 token losses, [N] fp32 log-sum-exps of their logits, [N, H] fp32 d loss/d hidden
+    or None), a chunk of tokens at a time.
 
-    Every chunk reuses one set of [chunk, V] buffers: a fresh tensor per chunk would be a fresh
-    mapping for the kernel to zero and fault in (see `assay.core.memory`), which cost more than
-    the arithmetic. The softmax takes one exp per logit: lse = max + log Σ exp(z − max).
+    The softmax takes one exp per logit: lse = max + log Σ exp(z − max).
     """
-    w = weight.to(dtype)  # [V, H]
-    b = None if bias is None else bias.to(dtype)
-    grad_dtype = torch.float32 if dtype == torch.float16 else dtype
-    w_grad = w.to(grad_dtype)  # the same tensor unless fp16
-    n, vocab = hidden.shape[0], weight.shape[0]
-    chunk = max(1, min(n, max(MIN_CHUNK_TOKENS, CHUNK_ELEMENTS // vocab)))
-    losses = hidden.new_empty(n, dtype=torch.float32)
+    head = _Chunks(hidden, weight, bias, dtype)
+    losses = hidden.new_empty(head.n, dtype=torch.float32)
+    lse = torch.empty_like(losses)
     grads = torch.empty_like(hidden, dtype=torch.float32) if need_grad else None
-    head_out = hidden.new_empty(chunk, vocab, dtype=dtype)
-    logits = head_out if dtype == torch.float32 else hidden.new_empty(chunk, vocab, dtype=torch.float32)
-    for start in range(0, n, chunk):
-        rows, c = slice(start, start + chunk), min(chunk, n - start)
-        h = hidden[rows].to(dtype)
-        if b is None:
-            torch.mm(h, w.T, out=head_out[:c])
-        else:
-            torch.addmm(b, h, w.T, out=head_out[:c])
-        z = logits[:c]
-        if logits is not head_out:  # bf16/fp16 head: upcast (an fp32 head wrote the logits)
-            z.copy_(head_out[:c])
+    for rows, _, z in head.logits():
         target = targets[rows, None]
         picked = z.gather(1, target)[:, 0]
         top = z.amax(dim=1, keepdim=True)
         total = z.sub_(top).exp_().sum(dim=1, keepdim=True)  # z now holds exp(logits − max)
-        losses[rows] = (top + total.log())[:, 0] - picked
+        lse[rows] = (top + total.log())[:, 0]
+        losses[rows] = lse[rows] - picked
         if grads is not None:
+            head_out, w_grad, grad_dtype = head.head_out[: len(z)], head.w_grad, head.grad_dtype
             probs = z.div_(total)
             probs.scatter_add_(1, target, probs.new_full(target.shape, -1.0))
             if grad_dtype == torch.float32:
                 torch.mm(probs, w_grad, out=grads[rows])
             else:
-                grads[rows] = torch.mm(head_out[:c].copy_(probs), w_grad)
-    return losses, grads
+                grads[rows] = torch.mm(head_out.copy_(probs), w_grad)
+    return losses, lse, grads
+
+
+class _Chunks:
+    """The head's logits over hidden [N, H], a chunk of tokens at a time, in reused buffers.
+
+    Every chunk reuses one set of [chunk, V] buffers: a fresh tensor per chunk would be a fresh
+    mapping for the kernel to zero and fault in (see `assay.core.memory`), which cost more than
+    the arithmetic. The head's matmul runs in `dtype` (the autocast dtype), the logits come out
+    in fp32; gradient matmuls run in `grad_dtype`, fp32 under fp16 (small probabilities would
+    underflow) and `dtype` otherwise.
+    """
+
+    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dtype):
+        self.hidden, self.dtype = hidden, dtype
+        self.w = weight.to(dtype)  # [V, H]
+        self.b = None if bias is None else bias.to(dtype)
+        self.grad_dtype = torch.float32 if dtype == torch.float16 else dtype
+        self.w_grad = self.w.to(self.grad_dtype)  # the same tensor unless fp16
+        self.n, vocab = hidden.shape[0], weight.shape[0]
+        self.chunk = max(1, min(self.n, max(MIN_CHUNK_TOKENS, CHUNK_ELEMENTS // vocab)))
+        self.head_out = hidden.new_empty(self.chunk, vocab, dtype=dtype)
+        fp32 = dtype == torch.float32
+        self._logits = self.head_out if fp32 else hidden.new_empty(self.chunk, vocab, dtype=torch.float32)
+
+    def logits(self) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor]]:
+        """(rows, [c, H] hidden in `dtype`, [c, V] fp32 logits: a buffer the next chunk reuses)."""
+        for start in range(0, self.n, self.chunk):
+            rows, c = slice(start, start + self.chunk), min(self.chunk, self.n - start)
+            h = self.hidden[rows].to(self.dtype)
+            if self.b is None:
+                torch.mm(h, self.w.T, out=self.head_out[:c])
+            else:
+                torch.addmm(self.b, h, self.w.T, out=self.head_out[:c])
+            z = self._logits[:c]
+            if self._logits is not self.head_out:  # bf16/fp16 head: upcast its output
+                z.copy_(self.head_out[:c])
+            yield rows, h, z
 
 
 class _ChunkedHeadLoss(torch.autograd.Function):
@@ -141,7 +166,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
     def forward(ctx: Any, *args: Any) -> torch.Tensor:  # type: ignore[override]
         hidden = args[0]
         with torch.autocast(hidden.device.type, enabled=False):  # dtypes are chosen explicitly
-            losses, grads = _losses_and_grads(*args)
+            losses, _, grads = _losses_and_grads(*args)
         ctx.save_for_backward(grads)
         ctx.hidden_dtype = hidden.dtype
         return losses
@@ -153,14 +178,84 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         return grad_hidden, None, None, None, None, None
 
 
+class _TrainedHeadLoss(torch.autograd.Function):
+    """[N] fp32 token losses of hidden [N, H] under a head being trained (W [V, H], b).
+
+    The weight's gradient Σ_t g_t (softmax_t − one-hot_t) h_tᵀ needs each token's upstream
+    gradient g_t, known only in backward, so the forward keeps each token's log-sum-exp and the
+    backward computes the logits again, chunk by chunk: one more head matmul for no
+    [tokens, vocabulary] tensor. The weight's and bias's gradients are summed over chunks in fp32.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, *args: Any) -> torch.Tensor:  # type: ignore[override]
+        hidden, weight, bias, targets, dtype = args
+        with torch.autocast(hidden.device.type, enabled=False):  # dtypes are chosen explicitly
+            losses, lse, _ = _losses_and_grads(hidden, weight, bias, targets, dtype, need_grad=False)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        ctx.dtype = dtype
+        return losses
+
+    @staticmethod
+    @once_differentiable  # in-place chunk buffers; second derivatives take the plain logits path
+    def backward(ctx: Any, grad_losses: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        hidden, weight, bias, targets, lse = ctx.saved_tensors
+        with torch.autocast(hidden.device.type, enabled=False):
+            grads = _head_backward(hidden, weight, bias, targets, lse, grad_losses.float(), ctx.dtype)
+        d_hidden, d_weight, d_bias = grads
+        wanted = ctx.needs_input_grad
+        return (
+            d_hidden.to(hidden.dtype) if wanted[0] else None,
+            d_weight.to(weight.dtype) if wanted[1] else None,
+            d_bias.to(bias.dtype) if d_bias is not None and wanted[2] else None,
+            None,
+            None,
+        )
+
+
+def _head_backward(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    lse: torch.Tensor,
+    grad_losses: torch.Tensor,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """d/d hidden [N, H], d/d W [V, H] and d/d b [V] (fp32) of Σ_t grad_losses_t · loss_t."""
+    head = _Chunks(hidden, weight, bias, dtype)
+    d_hidden = torch.empty_like(hidden, dtype=torch.float32)
+    d_weight = torch.zeros_like(weight, dtype=torch.float32)
+    # each chunk's weight gradient lands in one reused buffer before the fp32 sum
+    chunk_weight = None if head.grad_dtype == torch.float32 else torch.empty_like(head.w_grad)
+    d_bias = None if bias is None else torch.zeros_like(bias, dtype=torch.float32)
+    for rows, h, z in head.logits():
+        probs = z.sub_(lse[rows, None]).exp_()  # softmax, from the forward's log-sum-exp
+        target = targets[rows, None]
+        probs.scatter_add_(1, target, probs.new_full(target.shape, -1.0))
+        probs.mul_(grad_losses[rows, None])  # [c, V]: d Σ / d logits
+        g = probs if head.grad_dtype == torch.float32 else head.head_out[: len(z)].copy_(probs)
+        d_hidden[rows] = g @ head.w_grad
+        if chunk_weight is None:
+            d_weight.addmm_(g.T, h.to(torch.float32))
+        else:
+            d_weight += torch.mm(g.T, h.to(head.grad_dtype), out=chunk_weight)
+        if d_bias is not None:
+            d_bias += g.sum(dim=0, dtype=torch.float32)
+    return d_hidden, d_weight, d_bias
+
+
 def chunked_head_losses(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor) -> torch.Tensor:
     """[B, T] fp32 loss of each next-token target from the head's input hidden [B, T, H], laid
     out as `assay.lm.losses.token_losses` lays them out (0 where labels are -100)."""
     targets = labels[:, 1:]  # position t predicts token t + 1
     keep = targets != -100  # [B, T-1]
     rows = hidden[:, :-1][keep]  # [N, H]: only positions with a target
-    need_grad = torch.is_grad_enabled() and rows.requires_grad
-    losses = _ChunkedHeadLoss.apply(
-        rows, head.weight, head.bias, targets[keep], _compute_dtype(hidden), need_grad
-    )
+    dtype = _compute_dtype(hidden)
+    head_trains = torch.is_grad_enabled() and any(p.requires_grad for p in head.parameters())
+    if head_trains:
+        losses = _TrainedHeadLoss.apply(rows, head.weight, head.bias, targets[keep], dtype)
+    else:
+        need_grad = torch.is_grad_enabled() and rows.requires_grad
+        losses = _ChunkedHeadLoss.apply(rows, head.weight, head.bias, targets[keep], dtype, need_grad)
     return F.pad(losses.new_zeros(keep.shape).masked_scatter(keep, losses), (1, 0))

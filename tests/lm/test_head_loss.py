@@ -39,11 +39,14 @@ def batch_with_prompts():
     return collate(examples, np.arange(4), pad_id=0)
 
 
+@pytest.mark.parametrize("trained", [False, True], ids=["frozen-head", "trained-head"])
 @pytest.mark.parametrize("make", [tiny_llama, tiny_gpt2])
-def test_chunked_head_equals_plain_logits_fp32(make, monkeypatch):
+def test_chunked_head_equals_plain_logits_fp32(make, trained, monkeypatch):
+    """Losses and every trainable parameter's gradient; a trained head's weight (GPT-2's tied to
+    its embedding, Llama's its own) gets its gradient from the backward's chunks."""
     monkeypatch.setattr(head_loss, "CHUNK_ELEMENTS", 128 * 5)  # 5 tokens a chunk: many chunks
     monkeypatch.setattr(head_loss, "MIN_CHUNK_TOKENS", 1)
-    model, batch = frozen_head(make()), batch_with_prompts()
+    model, batch = make() if trained else frozen_head(make()), batch_with_prompts()
     policy = PrecisionPolicy.resolve("fp32", torch.device("cpu"))
     assert fusable_head(model) is not None
     fused = losses_and_grads(model, batch, example_losses, policy)
@@ -52,8 +55,9 @@ def test_chunked_head_equals_plain_logits_fp32(make, monkeypatch):
     assert float((fused[1] - plain[1]).norm() / plain[1].norm()) < 1e-5  # fp32 summation order
 
 
-def test_chunked_head_follows_bf16_autocast():
-    model, batch = frozen_head(tiny_llama()), batch_with_prompts()
+@pytest.mark.parametrize("trained", [False, True], ids=["frozen-head", "trained-head"])
+def test_chunked_head_follows_bf16_autocast(trained):
+    model, batch = tiny_llama() if trained else frozen_head(tiny_llama()), batch_with_prompts()
     bf16 = PrecisionPolicy.resolve("bf16", torch.device("cpu"))
     fused = losses_and_grads(model, batch, example_losses, bf16)
     plain = losses_and_grads(model, batch, plain_losses, bf16)
@@ -77,11 +81,7 @@ def test_no_grad_losses_match(trainable, monkeypatch):
 
 
 def test_plain_path_where_chunking_would_be_wrong():
-    model = tiny_llama()
-    assert fusable_head(model) is None, "a trainable head needs its weight gradient"
-    with torch.no_grad():
-        assert fusable_head(model) is not None, "unless no gradient is taken"
-    frozen_head(model)
+    model = frozen_head(tiny_llama())
     handle = model.get_output_embeddings().register_forward_hook(lambda *a: None)
     assert fusable_head(model) is None, "a hooked head (collected or spliced) must run"
     handle.remove()
@@ -106,12 +106,22 @@ def test_chunk_buffers_match_a_reference(dtype, with_bias, monkeypatch):
     hidden, weight = torch.randn(23, 16, generator=gen), torch.randn(50, 16, generator=gen)
     bias = torch.randn(50, generator=gen) if with_bias else None
     targets = torch.randint(0, 50, (23,), generator=gen)
-    losses, grads = head_loss._losses_and_grads(hidden, weight, bias, targets, dtype, True)
+    losses, lse, grads = head_loss._losses_and_grads(hidden, weight, bias, targets, dtype, True)
     h, w = hidden.to(dtype).double(), weight.to(dtype).double()
     logits = h @ w.T + (0 if bias is None else bias.to(dtype).double())
     ref_losses = torch.nn.functional.cross_entropy(logits, targets, reduction="none")
     probs = logits.softmax(dim=1) - torch.nn.functional.one_hot(targets, 50)
     tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
     torch.testing.assert_close(losses.double(), ref_losses, rtol=tol, atol=tol)
+    torch.testing.assert_close(lse.double(), logits.logsumexp(dim=1), rtol=tol, atol=tol)
     assert grads is not None and grads.dtype == torch.float32
     torch.testing.assert_close(grads.double(), probs @ w, rtol=tol, atol=tol)
+    # a trained head's backward: every token's upstream gradient, then d/d hidden, W and b
+    upstream = torch.rand(23, generator=gen) + 0.5
+    d_h, d_w, d_b = head_loss._head_backward(hidden, weight, bias, targets, lse, upstream, dtype)
+    scaled = probs * upstream.double()[:, None]
+    torch.testing.assert_close(d_h.double(), scaled @ w, rtol=tol, atol=tol)
+    torch.testing.assert_close(d_w.double(), scaled.T @ h, rtol=tol, atol=tol * 5)
+    if bias is not None:
+        assert d_b is not None
+        torch.testing.assert_close(d_b.double(), scaled.sum(dim=0), rtol=tol, atol=tol)
