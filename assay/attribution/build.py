@@ -113,11 +113,6 @@ class BuildConfig:
     """torch.compile the collector's elementwise steps (SwiGLU gates and RMSNorms, forward and
     backward) into fused kernels. The same rows up to rounding; compiling takes seconds up front,
     so it pays on long runs (docs/BENCHMARKS.md). On CPU it needs a C++ compiler."""
-    keep_freed_memory: bool = False
-    """Keep the memory of freed tensors in the process for the next batch (glibc's heap) instead
-    of handing blocks of 2 MiB or more back to the OS, which zeroes them anew at every use: faster
-    where activations are large, for a higher peak (SmolLM2-135M on 2 CPU cores: 6-16% less time,
-    a 16-35% higher peak; docs/BENCHMARKS.md, "Keeping freed memory"). The same rows."""
     fsdp: bool = False
     """Under torchrun: shard the model's weights over the processes (FSDP2, one unit per decoder
     block) for models that do not fit on one device. Same index; see docs/distributed.md."""
@@ -288,7 +283,7 @@ def build_index(cfg: BuildConfig) -> dict[str, Any]:
         if dist.is_main:
             write_json(run.path / ix.META_FILE, meta)
             np.save(run.path / ix.IDS_FILE, examples.ids.astype(np.int64))
-        if cfg.keep_freed_memory:
+        if cfg.runtime.keep_freed_memory:
             reuse_freed_memory()  # after loading: the load's transient copies still go back
         summary = write_rows(setup, examples, run.path, cfg)
         if ix.keeps_stats(meta):

@@ -112,6 +112,13 @@ class RuntimeConfig:
     attention: Literal["auto", "sdpa", "eager"] = "auto"
     """Attention kernel; `eager` avoids fused kernels whose result can depend on batch
     composition under bf16."""
+    keep_freed_memory: bool = False
+    """Keep the memory of freed tensors in the process for the next batch or step (glibc's heap)
+    instead of handing blocks of 2 MiB or more back to the OS, which zeroes them anew at every
+    use: faster where activations are large, for a higher peak (SmolLM2-135M on 2 CPU cores:
+    `assay build` 6-16% less time for a 16-35% higher peak, `assay finetune` 12% for 12%;
+    docs/BENCHMARKS.md, "Keeping freed memory"). Set once the model is loaded, for the rest of
+    the process; the numbers are the same. SAE training always keeps it."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.seed < MAX_SEED:

@@ -27,6 +27,7 @@ from assay.core.config import DataConfig, ModelConfig, RuntimeConfig, is_single_
 from assay.core.console import note
 from assay.core.distributed import Distributed
 from assay.core.errors import AssayError
+from assay.core.memory import reuse_freed_memory
 from assay.core.precision import PrecisionPolicy, check_finite
 from assay.core.progress import Progress
 from assay.core.runs import check_inputs, config_to_dict, run_folder, write_json
@@ -326,6 +327,8 @@ def finetune(cfg: FinetuneConfig) -> dict[str, Any]:
         if cfg.wandb and dist.is_main:
             wandb_run = start_wandb(cfg.wandb_project, Path(cfg.out).name, config_to_dict(cfg), run.path)
         trainer = Trainer(cfg, model, data, policy, tokenizer.pad_token_id, run.path, wandb_run)
+        if cfg.runtime.keep_freed_memory:
+            reuse_freed_memory()  # after loading: the load's transient copies still go back
         trained = count_parameters(model)
         note(f"training {trained[0]:,} of {trained[1]:,} parameters, {len(trainer.steps)} steps")
         result = trainer.run()

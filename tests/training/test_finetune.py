@@ -146,6 +146,26 @@ def test_accumulated_runs_give_the_same_model(tmp_path, tiny_model_dir, data_jso
         torch.testing.assert_close(wa[name], wb[name], rtol=1e-4, atol=1e-6)
 
 
+def test_keep_freed_memory_switches_the_allocator_before_training_and_keeps_the_model(
+    tmp_path, tiny_model_dir, data_jsonl, monkeypatch
+):
+    steps: list[str] = []
+    for name in ("load_model", "reuse_freed_memory"):
+        real = getattr(ft, name)
+        monkeypatch.setattr(ft, name, lambda *a, _n=name, _f=real, **k: steps.append(_n) or _f(*a, **k))
+    real_run = ft.Trainer.run
+    monkeypatch.setattr(ft.Trainer, "run", lambda self: steps.append("train") or real_run(self))
+    ft.finetune(make_cfg(tmp_path / "returned", tiny_model_dir, data_jsonl, max_steps=2))
+    assert steps == ["load_model", "train"]
+    steps.clear()
+    cfg = make_cfg(tmp_path / "kept", tiny_model_dir, data_jsonl, max_steps=2)
+    ft.finetune(dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, keep_freed_memory=True)))
+    assert steps == ["load_model", "reuse_freed_memory", "train"]
+    kept, returned = weights(tmp_path / "kept" / "model"), weights(tmp_path / "returned" / "model")
+    for name in returned:
+        torch.testing.assert_close(kept[name], returned[name], rtol=0, atol=0)
+
+
 def test_ordered_replays_the_full_runs_order(tmp_path, tiny_model_dir, data_jsonl):
     ft.finetune(make_cfg(tmp_path / "full", tiny_model_dir, data_jsonl, num_epochs=2, max_steps=1))
     full = json.loads((tmp_path / "full" / "order.json").read_text())["epochs"]
