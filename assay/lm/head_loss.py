@@ -112,13 +112,12 @@ def _losses_and_grads(
         lse[rows] = (top + total.log())[:, 0]
         losses[rows] = lse[rows] - picked
         if grads is not None:
-            head_out, w_grad, grad_dtype = head.head_out[: len(z)], head.w_grad, head.grad_dtype
             probs = z.div_(total)
             probs.scatter_add_(1, target, probs.new_full(target.shape, -1.0))
-            if grad_dtype == torch.float32:
-                torch.mm(probs, w_grad, out=grads[rows])
+            if head.grad_dtype == torch.float32:
+                torch.mm(probs, head.w_grad, out=grads[rows])
             else:
-                grads[rows] = torch.mm(head_out.copy_(probs), w_grad)
+                grads[rows] = torch.mm(head.head_out[: len(z)].copy_(probs), head.w_grad)
     return losses, lse, grads
 
 
@@ -132,7 +131,9 @@ class _Chunks:
     underflow) and `dtype` otherwise.
     """
 
-    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dtype):
+    def __init__(
+        self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
+    ) -> None:
         self.hidden, self.dtype = hidden, dtype
         self.w = weight.to(dtype)  # [V, H]
         self.b = None if bias is None else bias.to(dtype)
