@@ -103,10 +103,12 @@ def test_performance_only_settings_may_change_others_are_named(tmp_path, inputs,
     err = _last_error(capsys)
     assert "another --token_batch_size (64, now 128)" in err and f"assay replay {tmp_path / 'idx'}" in err
     # --threads decides how many cores compute the same operations, --compile whether fused
-    threads2 = [*(a if a != "1" else "2" for a in args), "--compile"]
+    # (and --keep_freed_memory where freed memory goes)
+    threads2 = [*(a if a != "1" else "2" for a in args), "--compile", "--keep_freed_memory"]
     assert main(threads2) == 0
     config = json.loads((tmp_path / "idx" / "config.json").read_text())["config"]
     assert config["runtime"]["threads"] == 2 and config["compile"] is True
+    assert config["runtime"]["keep_freed_memory"] is True
     assert main(_build_args(tmp_path / "whole", model_dir, data, "--threads", "1")) == 0
     # the same numbers up to fp32 rounding: torch's kernels may split a reduction over the cores
     # differently (measured ~3e-6 relative here), as two uninterrupted runs at 1 and 2 threads differ,

@@ -36,12 +36,13 @@ CONFIG_FILE = "config.json"
 DONE_FILE = "run.json"
 INPUTS_FILE = "inputs.json"
 LOCK_FILE = ".lock"
-PERFORMANCE_ONLY: tuple[str, ...] = ("overwrite", "threads", "compile")
-"""Settings a run may resume under changed: --overwrite (what to do with a finished OUT), and
---threads and --compile (how many cores torch's kernels use, and whether elementwise steps run
-fused: the same operations on the same data; a kernel may split or order a sum differently, so
-the work done after the change can differ from an unchanged run at fp32 rounding, exactly as
-two fresh runs with those settings differ)."""
+PERFORMANCE_ONLY: tuple[str, ...] = ("overwrite", "threads", "compile", "keep_freed_memory")
+"""Settings a run may resume under changed: --overwrite (what to do with a finished OUT),
+--keep_freed_memory (where freed memory goes: no number changes), and --threads and --compile
+(how many cores torch's kernels use, and whether elementwise steps run fused: the same
+operations on the same data; a kernel may split or order a sum differently, so the work done
+after the change can differ from an unchanged run at fp32 rounding, exactly as two fresh runs
+with those settings differ)."""
 BOOKKEEPING = (CONFIG_FILE, INPUTS_FILE, LOCK_FILE)
 """What a `.part` holds before any work is done."""
 
