@@ -77,6 +77,9 @@ def test_both_builds_read_the_same_tunes_with_the_same_settings(tmp_path):
         flags = dict(zip(cmd, cmd[1:]))
         assert flags["--dataset"] == str(tmp_path / "tunes.jsonl") and flags["--projection_dim"] == "8"
         assert flags["--token_batch_size"] == "512" and flags["--precision"] == "bf16"
+    args = bench_build.parser().parse_args(["--model", "m", "--ours_flags", "keep_freed_memory"])
+    ours, peer = bench_build.build_commands(args, tmp_path / "tunes.jsonl", "bf16", tmp_path)
+    assert "--keep_freed_memory" in ours and "--keep_freed_memory" not in peer  # assay's side only
 
 
 def test_process_line_gives_medians_their_ratios_and_the_one_tune_peaks():
