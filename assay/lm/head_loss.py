@@ -237,10 +237,11 @@ def _head_backward(
         probs.mul_(grad_losses[rows, None])  # [c, V]: d Σ / d logits
         g = probs if head.grad_dtype == torch.float32 else head.head_out[: len(z)].copy_(probs)
         d_hidden[rows] = g @ head.w_grad
+        h = h.to(head.grad_dtype)  # the same tensor unless fp16
         if chunk_weight is None:
-            d_weight.addmm_(g.T, h.to(torch.float32))
+            d_weight.addmm_(g.T, h)
         else:
-            d_weight += torch.mm(g.T, h.to(head.grad_dtype), out=chunk_weight)
+            d_weight += torch.mm(g.T, h, out=chunk_weight)
         if d_bias is not None:
             d_bias += g.sum(dim=0, dtype=torch.float32)
     return d_hidden, d_weight, d_bias
