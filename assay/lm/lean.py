@@ -14,7 +14,9 @@ take memory there that the results never depend on:
   same numbers. A silu gate and a frozen Llama-form RMSNorm of an fp32 input get a backward
   written out (`_SiluGate`, `_FrozenRMSNorm`: autograd's own derivative ops, in place where
   it can be; with `--compile` the same formulas as fused kernels, `assay.lm.elementwise`),
-  other forms PyTorch's non-reentrant checkpoint around the elementwise steps.
+  other forms PyTorch's non-reentrant checkpoint around the elementwise steps. Llama's rotary
+  embedding gets one too (`_Rotary`): its autograd graph slices, negates and concatenates each
+  query and key, and differentiating the slices allocates a zero-filled copy per half.
   Fewer activation-sized buffers matter on CPU: each is a fresh mapping the kernel zeroes and
   faults in (see `assay.core.memory`).
 - **Repeated keys and values.** With grouped-query attention, transformers copies each key and
@@ -169,6 +171,87 @@ class _FrozenRMSNorm(torch.autograd.Function):
         return (*ctx.kernels.rms_norm_backward(grad, x, weight, rstd), None, None, None)
 
 
+class _Rotary(torch.autograd.Function):
+    """Llama's rotary embedding of one query or key, `x * cos + rotate_half(x) * sin`, with a
+    written-out backward.
+
+    The forward is transformers' ops in its order (the rotated copy written in place of a
+    negation and a concatenation); the backward applies the derivatives autograd would: each
+    product's gradient cast to x's dtype, the rotated one rotated back and added in x's dtype,
+    which is the same sum of the same terms (autograd adds two zero-padded halves, exact), so
+    the numbers are the same bit for bit, without the zero-filled copies slicing's backward makes.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        half = x.shape[-1] // 2
+        rotated = torch.empty_like(x, memory_format=torch.contiguous_format)
+        torch.neg(x[..., half:], out=rotated[..., :half])
+        rotated[..., half:] = x[..., :half]
+        out = x * cos
+        out += rotated * sin
+        ctx.save_for_backward(cos, sin)
+        ctx.dtype = x.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        cos, sin = ctx.saved_tensors
+        half = grad.shape[-1] // 2
+        through_cos = (grad * cos).to(ctx.dtype)
+        through_sin = (grad * sin).to(ctx.dtype)
+        through_cos[..., :half] += through_sin[..., half:]
+        through_cos[..., half:] -= through_sin[..., :half]
+        return through_cos, None, None
+
+
+def _rotary(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' `apply_rotary_pos_emb`, each of q and k through `_Rotary` when it needs a
+    gradient and its embedding does not."""
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+
+    def embed(x: torch.Tensor) -> torch.Tensor:
+        written = torch.is_grad_enabled() and x.requires_grad and not (cos.requires_grad or sin.requires_grad)
+        if written and x.shape[-1] % 2 == 0:
+            return _Rotary.apply(x, cos, sin)
+        half = x.shape[-1] // 2
+        return (x * cos) + (torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin)
+
+    return embed(q), embed(k)
+
+
+def _plain_function(fn: Any) -> Any:
+    """The function itself: transformers may wrap it in the `kernels` package's module (a hub
+    kernel's stand-in, whose forward calls the original, kept in its closure as `func`)."""
+    if hasattr(fn, "__code__"):
+        return fn
+    forward = getattr(type(fn), "forward", None)
+    code = getattr(forward, "__code__", None)
+    if code is None or "func" not in code.co_freevars or forward.__closure__ is None:
+        return None
+    return forward.__closure__[code.co_freevars.index("func")].cell_contents
+
+
+def _llama_rotary_globals(model: nn.Module) -> list[dict[str, Any]]:
+    """The module namespaces whose attention calls an `apply_rotary_pos_emb` that is Llama's,
+    bytecode for bytecode (the docstrings may differ)."""
+    from transformers.models.llama import modeling_llama
+
+    ref = _plain_function(modeling_llama.apply_rotary_pos_emb).__code__
+    found: dict[int, dict[str, Any]] = {}
+    for module in model.modules():
+        namespace = getattr(type(module).forward, "__globals__", {})
+        fn = namespace.get("apply_rotary_pos_emb")
+        if fn is None or fn is _rotary or id(namespace) in found:
+            continue
+        code = getattr(_plain_function(fn), "__code__", None)
+        if code is not None and (code.co_code, code.co_names) == (ref.co_code, ref.co_names):
+            found[id(namespace)] = namespace
+    return list(found.values())
+
+
 def _swiglu_forward(mlp: Any, kernels: Kernels) -> Callable[[torch.Tensor], torch.Tensor]:
     """`down(act(gate(x)) * up(x))`, the layers called in the model's own order (hooks see them
     as before); the product is recomputed in backward from gate(x) and up(x)."""
@@ -202,16 +285,21 @@ def _rmsnorm_forward(norm: nn.Module, kernels: Kernels) -> Callable[[torch.Tenso
 
 @contextmanager
 def recompute_elementwise(model: nn.Module, compiled: bool = False) -> Iterator[int]:
-    """Within the block, SwiGLU MLPs and upcasting RMSNorms keep only their inputs for backward.
+    """Within the block, SwiGLU MLPs and upcasting RMSNorms keep only their inputs for backward,
+    and Llama-form rotary embeddings run `_Rotary`.
 
     `compiled`: their written-out steps run as `torch.compile`d kernels (`assay.lm.elementwise`).
-    Yields how many modules were switched; their own forwards are back on exit.
+    Yields how many modules were switched (MLPs and norms); their own forwards, and the rotary
+    function, are back on exit.
     """
     kernels = EAGER
     if compiled:
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         kernels = compiled_kernels(device.type)
     patched: list[nn.Module] = []
+    rotary = [(ns, ns["apply_rotary_pos_emb"]) for ns in _llama_rotary_globals(model)]
+    for namespace, _ in rotary:
+        namespace["apply_rotary_pos_emb"] = _rotary
     for module in model.modules():
         if _is_swiglu_mlp(module):
             module.forward = _swiglu_forward(module, kernels)  # type: ignore[method-assign]
@@ -225,6 +313,8 @@ def recompute_elementwise(model: nn.Module, compiled: bool = False) -> Iterator[
     finally:
         for module in patched:
             del module.forward
+        for namespace, original in rotary:
+            namespace["apply_rotary_pos_emb"] = original
 
 
 FORCE_GQA = "TRANSFORMERS_SDPA_FORCE_GQA"  # transformers' switch for SDPA's enable_gqa

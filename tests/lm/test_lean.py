@@ -234,3 +234,32 @@ def test_trainable_or_low_precision_norms_keep_the_checkpoint(monkeypatch):
         assert not used
         norm(x)
     assert used == [1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_written_out_rotary_matches_transformers_bit_for_bit(dtype):
+    """Llama's rotary embedding of non-contiguous q and k (the attention's transposed views)
+    in the dtype the projections give, with fp32 cos and sin: outputs and input gradients equal
+    transformers' own, and the function is back on exit."""
+    from transformers.models.llama import modeling_llama
+
+    gen = torch.Generator().manual_seed(0)
+    cos, sin = torch.randn(1, 7, 16, generator=gen), torch.randn(1, 7, 16, generator=gen)
+    upstream = [torch.randn(2, 4, 7, 16, generator=gen), torch.randn(2, 2, 7, 16, generator=gen)]
+
+    def run(rotary):
+        q = torch.randn(2, 7, 4, 16, generator=torch.Generator().manual_seed(1)).to(dtype)
+        k = torch.randn(2, 7, 2, 16, generator=torch.Generator().manual_seed(2)).to(dtype)
+        q, k = q.requires_grad_(), k.requires_grad_()
+        outs = rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        torch.autograd.backward(outs, upstream)
+        return (*outs, q.grad, k.grad)
+
+    original = modeling_llama.apply_rotary_pos_emb
+    plain = run(original)
+    with recompute_elementwise(tiny_llama()):
+        patched = modeling_llama.apply_rotary_pos_emb
+        written = run(patched)
+    assert patched is lean._rotary and modeling_llama.apply_rotary_pos_emb is original
+    assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(written, plain))
+    assert written[2].dtype == dtype
