@@ -43,7 +43,7 @@ from assay.attribution.projection import Projector
 from assay.core.config import DataConfig, ModelConfig
 from assay.core.memory import return_freed_memory
 from assay.core.precision import PrecisionPolicy
-from assay.lm import padding
+from assay.lm import lean, padding
 from assay.lm.data import bucket_length, load_examples, load_table, token_batches
 from assay.lm.lean import keep_compute_casts
 from assay.lm.models import load_model, load_tokenizer, resolve_model_path
@@ -126,6 +126,8 @@ class LoopOptions:
     compiled_collector: bool = False
     """Also time the collector with its elementwise steps compiled (`assay build --compile`); the
     warm-up round takes the compilation."""
+    plain_rotary_collector: bool = False
+    """Also time the collector with transformers' own rotary embedding (before `lean._Rotary`)."""
     statistic: str = "median"
     """median, or min (on a loaded machine the least disturbed round)."""
     profile_rows: int = 0
@@ -156,8 +158,8 @@ def loop_benchmark(model_name: str, data: Path, opt: LoopOptions) -> dict:
         passes[f"floor:{name}"] = partial(floor_pass, models[FLOORS[name].attention], batches, policy)
     rows: dict[str, np.ndarray] = {}
 
-    def collect(key: str, s: GradientSetup, masked: bool = False) -> None:
-        with forced_mask() if masked else nullcontext():
+    def collect(key: str, s: GradientSetup, masked: bool = False, plain_rotary: bool = False) -> None:
+        with forced_mask() if masked else nullcontext(), plain_rotary_embedding(plain_rotary):
             rows[key] = collect_pass(s, examples, positions_list)
 
     passes["ours"] = partial(collect, "ours", setup)
@@ -167,6 +169,8 @@ def loop_benchmark(model_name: str, data: Path, opt: LoopOptions) -> dict:
         passes["padded"] = partial(collect, "padded", replace(setup, packed=False))
     if opt.compiled_collector:
         passes["compiled"] = partial(collect, "compiled", replace(setup, compiled=True))
+    if opt.plain_rotary_collector:
+        passes["plain_rotary"] = partial(collect, "plain_rotary", setup, plain_rotary=True)
     bf16_inputs = policy.compute_dtype == torch.bfloat16  # the only inputs the default projects as they are
     if opt.fp32_projection and bf16_inputs:
         passes["fp32_projection"] = partial(collect, "fp32_projection", Fp32ProjectionSetup(**vars(setup)))
@@ -181,7 +185,7 @@ def loop_benchmark(model_name: str, data: Path, opt: LoopOptions) -> dict:
     if "fp32_projection" in times:
         extra["fp32_projection_tok_s"] = tok_s["fp32_projection"]
         extra["min_cosine_to_fp32_projection"] = float(cosines(rows["ours"], rows["fp32_projection"]).min())
-    for variant in ("masked", "padded", "compiled"):
+    for variant in ("masked", "padded", "compiled", "plain_rotary"):
         if variant in times:
             extra[f"{variant}_collector_tok_s"] = tok_s[variant]
             extra[f"{variant}_max_rel_diff"] = float(
@@ -208,6 +212,18 @@ def loop_benchmark(model_name: str, data: Path, opt: LoopOptions) -> dict:
 
 
 @contextmanager
+def plain_rotary_embedding(on: bool) -> Iterator[None]:
+    """Within the block (when `on`), the collector leaves transformers' rotary embedding as is."""
+    saved = lean._llama_rotary_globals
+    if on:
+        lean._llama_rotary_globals = lambda model: []  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        lean._llama_rotary_globals = saved  # type: ignore[assignment]
+
+
+@contextmanager
 def forced_mask() -> Iterator[None]:
     """Within the block, forward passes are given the padding mask even where it is not needed."""
     saved = padding.mask_needed
@@ -229,7 +245,11 @@ def summary_line(loop: dict) -> str:
         f"padded/real tokens {loop['padded_tokens'] / loop['tokens']:.3f}"
         + "".join(
             f"; {label} {loop[f'{key}_collector_tok_s']:,.0f} tok/s"
-            for key, label in (("padded", "on padded batches"), ("compiled", "compiled"))
+            for key, label in (
+                ("padded", "on padded batches"),
+                ("compiled", "compiled"),
+                ("plain_rotary", "with transformers' rotary"),
+            )
             if f"{key}_collector_tok_s" in loop
         )
     )
@@ -393,6 +413,11 @@ def parser() -> argparse.ArgumentParser:
         help="also time the collector with its elementwise steps compiled (assay build --compile)",
     )
     ap.add_argument(
+        "--plain_rotary_collector",
+        action="store_true",
+        help="also time the collector with transformers' own rotary embedding (as before lean._Rotary)",
+    )
+    ap.add_argument(
         "--statistic",
         choices=["median", "min"],
         default="median",
@@ -435,6 +460,7 @@ def main() -> None:
                     masked_collector=args.masked_collector,
                     padded_collector=args.padded_collector,
                     compiled_collector=args.compiled_collector,
+                    plain_rotary_collector=args.plain_rotary_collector,
                     statistic=args.statistic,
                     profile_rows=args.profile,
                 )
