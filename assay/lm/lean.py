@@ -227,11 +227,12 @@ def _plain_function(fn: Any) -> Any:
     kernel's stand-in, whose forward calls the original, kept in its closure as `func`)."""
     if hasattr(fn, "__code__"):
         return fn
-    forward = getattr(type(fn), "forward", None)
+    forward: Any = getattr(type(fn), "forward", None)
     code = getattr(forward, "__code__", None)
-    if code is None or "func" not in code.co_freevars or forward.__closure__ is None:
+    closure = getattr(forward, "__closure__", None)
+    if code is None or closure is None or "func" not in code.co_freevars:
         return None
-    return forward.__closure__[code.co_freevars.index("func")].cell_contents
+    return closure[code.co_freevars.index("func")].cell_contents
 
 
 def _llama_rotary_globals(model: nn.Module) -> list[dict[str, Any]]:
