@@ -240,7 +240,10 @@ def _llama_rotary_globals(model: nn.Module) -> list[dict[str, Any]]:
     bytecode for bytecode (the docstrings may differ)."""
     from transformers.models.llama import modeling_llama
 
-    ref = _plain_function(modeling_llama.apply_rotary_pos_emb).__code__
+    llama = _plain_function(modeling_llama.apply_rotary_pos_emb)
+    if llama is None:  # wrapped some other way: leave every model's rotary as it is
+        return []
+    ref = llama.__code__
     found: dict[int, dict[str, Any]] = {}
     for module in model.modules():
         namespace = getattr(type(module).forward, "__globals__", {})

@@ -263,3 +263,29 @@ def test_written_out_rotary_matches_transformers_bit_for_bit(dtype):
     assert patched is lean._rotary and modeling_llama.apply_rotary_pos_emb is original
     assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(written, plain))
     assert written[2].dtype == dtype
+
+
+def test_rotary_left_alone_where_it_is_not_llamas(monkeypatch):
+    """A rotary function of another form (Phi-3's partial rotary), or one wrapped in a way that
+    hides its code, is left as it is."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+    from transformers.models.llama import modeling_llama
+
+    phi3 = Phi3ForCausalLM(
+        Phi3Config(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            partial_rotary_factor=0.5,
+            pad_token_id=0,
+        )
+    )
+    assert lean._llama_rotary_globals(phi3) == []
+    assert lean._llama_rotary_globals(tiny_llama()) == [vars(modeling_llama)]
+    monkeypatch.setattr(lean, "_plain_function", lambda fn: None)
+    original = modeling_llama.apply_rotary_pos_emb
+    with recompute_elementwise(tiny_llama()):
+        assert modeling_llama.apply_rotary_pos_emb is original
