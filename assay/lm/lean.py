@@ -238,7 +238,7 @@ def _plain_function(fn: Any) -> Any:
 def _llama_rotary_globals(model: nn.Module) -> list[dict[str, Any]]:
     """The module namespaces whose attention calls an `apply_rotary_pos_emb` that is Llama's,
     bytecode for bytecode (the docstrings may differ)."""
-    from transformers.models.llama import modeling_llama
+    from transformers.models.llama import modeling_llama  # lazy: loaded with the model, not with assay.lm
 
     llama = _plain_function(modeling_llama.apply_rotary_pos_emb)
     if llama is None:  # wrapped some other way: leave every model's rotary as it is
