@@ -28,8 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -43,7 +42,6 @@ from assay.attribution.projection import Projector
 from assay.core.config import DataConfig, ModelConfig
 from assay.core.memory import return_freed_memory
 from assay.core.precision import PrecisionPolicy
-from assay.lm import lean, padding
 from assay.lm.data import bucket_length, load_examples, load_table, token_batches
 from assay.lm.lean import keep_compute_casts
 from assay.lm.models import load_model, load_tokenizer, resolve_model_path
@@ -59,6 +57,7 @@ from floors import (  # noqa: E402
 )
 from machine import header, machine  # noqa: E402
 from profiling import profile_table  # noqa: E402
+from variants import forced_mask, norm_output_cast, plain_rotary_embedding  # noqa: E402
 
 
 def pick_tunes(
@@ -128,6 +127,8 @@ class LoopOptions:
     warm-up round takes the compilation."""
     plain_rotary_collector: bool = False
     """Also time the collector with transformers' own rotary embedding (before `lean._Rotary`)."""
+    norm_cast_collector: bool = False
+    """Also time the collector with each norm's output cast once (`variants.norm_output_cast`)."""
     statistic: str = "median"
     """median, or min (on a loaded machine the least disturbed round)."""
     profile_rows: int = 0
@@ -159,7 +160,8 @@ def loop_benchmark(model_name: str, data: Path, opt: LoopOptions) -> dict:
     rows: dict[str, np.ndarray] = {}
 
     def collect(key: str, s: GradientSetup, masked: bool = False, plain_rotary: bool = False) -> None:
-        with forced_mask() if masked else nullcontext(), plain_rotary_embedding(plain_rotary):
+        variant = (forced_mask() if masked else nullcontext(), plain_rotary_embedding(plain_rotary))
+        with variant[0], variant[1], norm_output_cast(key == "norm_cast"):
             rows[key] = collect_pass(s, examples, positions_list)
 
     passes["ours"] = partial(collect, "ours", setup)
@@ -171,6 +173,8 @@ def loop_benchmark(model_name: str, data: Path, opt: LoopOptions) -> dict:
         passes["compiled"] = partial(collect, "compiled", replace(setup, compiled=True))
     if opt.plain_rotary_collector:
         passes["plain_rotary"] = partial(collect, "plain_rotary", setup, plain_rotary=True)
+    if opt.norm_cast_collector:
+        passes["norm_cast"] = partial(collect, "norm_cast", setup)
     bf16_inputs = policy.compute_dtype == torch.bfloat16  # the only inputs the default projects as they are
     if opt.fp32_projection and bf16_inputs:
         passes["fp32_projection"] = partial(collect, "fp32_projection", Fp32ProjectionSetup(**vars(setup)))
@@ -185,7 +189,7 @@ def loop_benchmark(model_name: str, data: Path, opt: LoopOptions) -> dict:
     if "fp32_projection" in times:
         extra["fp32_projection_tok_s"] = tok_s["fp32_projection"]
         extra["min_cosine_to_fp32_projection"] = float(cosines(rows["ours"], rows["fp32_projection"]).min())
-    for variant in ("masked", "padded", "compiled", "plain_rotary"):
+    for variant in ("masked", "padded", "compiled", "plain_rotary", "norm_cast"):
         if variant in times:
             extra[f"{variant}_collector_tok_s"] = tok_s[variant]
             extra[f"{variant}_max_rel_diff"] = float(
@@ -211,29 +215,6 @@ def loop_benchmark(model_name: str, data: Path, opt: LoopOptions) -> dict:
     }
 
 
-@contextmanager
-def plain_rotary_embedding(on: bool) -> Iterator[None]:
-    """Within the block (when `on`), the collector leaves transformers' rotary embedding as is."""
-    saved = lean._llama_rotary_globals
-    if on:
-        lean._llama_rotary_globals = lambda model: []  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        lean._llama_rotary_globals = saved  # type: ignore[assignment]
-
-
-@contextmanager
-def forced_mask() -> Iterator[None]:
-    """Within the block, forward passes are given the padding mask even where it is not needed."""
-    saved = padding.mask_needed
-    padding.mask_needed = lambda model, mask: mask is not None  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        padding.mask_needed = saved
-
-
 def summary_line(loop: dict) -> str:
     """One readable line: every floor's tokens/s, which is the floor, the collector against it."""
     floors = ", ".join(f"{n} {v:,.0f}" for n, v in loop["floors_tok_s"].items())
@@ -249,6 +230,7 @@ def summary_line(loop: dict) -> str:
                 ("padded", "on padded batches"),
                 ("compiled", "compiled"),
                 ("plain_rotary", "with transformers' rotary"),
+                ("norm_cast", "with each norm's output cast once"),
             )
             if f"{key}_collector_tok_s" in loop
         )
@@ -418,6 +400,12 @@ def parser() -> argparse.ArgumentParser:
         help="also time the collector with transformers' own rotary embedding (as before lean._Rotary)",
     )
     ap.add_argument(
+        "--norm_cast_collector",
+        action="store_true",
+        help="also time the collector with each RMSNorm's output cast once to the autocast dtype "
+        "(a probe of one cast per shared input; its rows differ from the default's)",
+    )
+    ap.add_argument(
         "--statistic",
         choices=["median", "min"],
         default="median",
@@ -461,6 +449,7 @@ def main() -> None:
                     padded_collector=args.padded_collector,
                     compiled_collector=args.compiled_collector,
                     plain_rotary_collector=args.plain_rotary_collector,
+                    norm_cast_collector=args.norm_cast_collector,
                     statistic=args.statistic,
                     profile_rows=args.profile,
                 )
