@@ -28,7 +28,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -159,9 +158,10 @@ def loop_benchmark(model_name: str, data: Path, opt: LoopOptions) -> dict:
         passes[f"floor:{name}"] = partial(floor_pass, models[FLOORS[name].attention], batches, policy)
     rows: dict[str, np.ndarray] = {}
 
-    def collect(key: str, s: GradientSetup, masked: bool = False, plain_rotary: bool = False) -> None:
-        variant = (forced_mask() if masked else nullcontext(), plain_rotary_embedding(plain_rotary))
-        with variant[0], variant[1], norm_output_cast(key == "norm_cast"):
+    def collect(
+        key: str, s: GradientSetup, masked: bool = False, plain_rotary: bool = False, norm_cast: bool = False
+    ) -> None:
+        with forced_mask(masked), plain_rotary_embedding(plain_rotary), norm_output_cast(norm_cast):
             rows[key] = collect_pass(s, examples, positions_list)
 
     passes["ours"] = partial(collect, "ours", setup)
@@ -174,7 +174,7 @@ def loop_benchmark(model_name: str, data: Path, opt: LoopOptions) -> dict:
     if opt.plain_rotary_collector:
         passes["plain_rotary"] = partial(collect, "plain_rotary", setup, plain_rotary=True)
     if opt.norm_cast_collector:
-        passes["norm_cast"] = partial(collect, "norm_cast", setup)
+        passes["norm_cast"] = partial(collect, "norm_cast", setup, norm_cast=True)
     bf16_inputs = policy.compute_dtype == torch.bfloat16  # the only inputs the default projects as they are
     if opt.fp32_projection and bf16_inputs:
         passes["fp32_projection"] = partial(collect, "fp32_projection", Fp32ProjectionSetup(**vars(setup)))

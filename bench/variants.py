@@ -5,7 +5,8 @@ benchmark can show what that choice is worth on the machine it runs on."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any
 
 import torch
 
@@ -13,30 +14,33 @@ from assay.lm import lean, padding
 
 
 @contextmanager
-def plain_rotary_embedding(on: bool) -> Iterator[None]:
+def _patched(owner: Any, name: str, value: Any) -> Iterator[None]:
+    """`owner.name = value` within the block; after it, the owner's own attribute as it was (or
+    none, so that an inherited one shows through again)."""
+    own = vars(owner)
+    had, saved = name in own, own.get(name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        if had:
+            setattr(owner, name, saved)
+        else:
+            delattr(owner, name)
+
+
+def plain_rotary_embedding(on: bool) -> AbstractContextManager[None]:
     """Within the block (when `on`), the collector leaves transformers' rotary embedding as is."""
-    saved = lean._llama_rotary_globals
-    if on:
-        lean._llama_rotary_globals = lambda model: []  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        lean._llama_rotary_globals = saved  # type: ignore[assignment]
+    return _patched(lean, "_llama_rotary_globals", lambda model: []) if on else nullcontext()
 
 
-@contextmanager
-def forced_mask() -> Iterator[None]:
-    """Within the block, forward passes are given the padding mask even where it is not needed."""
-    saved = padding.mask_needed
-    padding.mask_needed = lambda model, mask: mask is not None  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        padding.mask_needed = saved
+def forced_mask(on: bool) -> AbstractContextManager[None]:
+    """Within the block (when `on`), forward passes are given the padding mask even where it is
+    not needed."""
+    return _patched(padding, "mask_needed", lambda model, mask: mask is not None) if on else nullcontext()
 
 
-@contextmanager
-def norm_output_cast(on: bool) -> Iterator[None]:
+def norm_output_cast(on: bool) -> AbstractContextManager[None]:
     """Within the block (when `on`), each frozen RMSNorm's output is cast to the autocast dtype
     once, so the layers that share it (q, k, v; gate, up) read one copy instead of casting their
     own, and their input gradients meet in that dtype before one cast back.
@@ -44,18 +48,13 @@ def norm_output_cast(on: bool) -> Iterator[None]:
     A probe of what one cast per shared input would save in time, not an option: its gradient
     sum runs in the autocast dtype, so its rows differ from the default's.
     """
-    norm = lean._FrozenRMSNorm
-    saved = norm.apply  # inherited from torch.autograd.Function: deleting the patch restores it
+    if not on:
+        return nullcontext()
+    apply = lean._FrozenRMSNorm.apply  # inherited from torch.autograd.Function
 
-    def apply(*args: object) -> torch.Tensor:
-        out = saved(*args)
-        dtype = torch.get_autocast_dtype(out.device.type)
-        return out.to(dtype) if torch.is_autocast_enabled(out.device.type) else out
+    def cast_once(*args: object) -> torch.Tensor:
+        out = apply(*args)
+        device = out.device.type
+        return out.to(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else out
 
-    if on:
-        norm.apply = apply  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        if on:
-            del norm.apply
+    return _patched(lean._FrozenRMSNorm, "apply", cast_once)
