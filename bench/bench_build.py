@@ -56,7 +56,7 @@ from floors import (  # noqa: E402
 )
 from machine import header, machine  # noqa: E402
 from profiling import profile_table  # noqa: E402
-from variants import forced_mask, own_input_casts, plain_rotary_embedding  # noqa: E402
+from variants import forced_mask, norm_output_cast, plain_rotary_embedding  # noqa: E402
 
 
 def pick_tunes(
@@ -126,8 +126,8 @@ class LoopOptions:
     warm-up round takes the compilation."""
     plain_rotary_collector: bool = False
     """Also time the collector with transformers' own rotary embedding (before `lean._Rotary`)."""
-    own_cast_collector: bool = False
-    """Also time the collector with each layer casting its own input (before `lm.shared_cast`)."""
+    norm_cast_collector: bool = False
+    """Also time the collector with each norm's output cast once (`variants.norm_output_cast`)."""
     statistic: str = "median"
     """median, or min (on a loaded machine the least disturbed round)."""
     profile_rows: int = 0
@@ -159,9 +159,9 @@ def loop_benchmark(model_name: str, data: Path, opt: LoopOptions) -> dict:
     rows: dict[str, np.ndarray] = {}
 
     def collect(
-        key: str, s: GradientSetup, masked: bool = False, plain_rotary: bool = False, own_cast: bool = False
+        key: str, s: GradientSetup, masked: bool = False, plain_rotary: bool = False, norm_cast: bool = False
     ) -> None:
-        with forced_mask(masked), plain_rotary_embedding(plain_rotary), own_input_casts(own_cast):
+        with forced_mask(masked), plain_rotary_embedding(plain_rotary), norm_output_cast(norm_cast):
             rows[key] = collect_pass(s, examples, positions_list)
 
     passes["ours"] = partial(collect, "ours", setup)
@@ -173,8 +173,8 @@ def loop_benchmark(model_name: str, data: Path, opt: LoopOptions) -> dict:
         passes["compiled"] = partial(collect, "compiled", replace(setup, compiled=True))
     if opt.plain_rotary_collector:
         passes["plain_rotary"] = partial(collect, "plain_rotary", setup, plain_rotary=True)
-    if opt.own_cast_collector:
-        passes["own_cast"] = partial(collect, "own_cast", setup, own_cast=True)
+    if opt.norm_cast_collector:
+        passes["norm_cast"] = partial(collect, "norm_cast", setup, norm_cast=True)
     bf16_inputs = policy.compute_dtype == torch.bfloat16  # the only inputs the default projects as they are
     if opt.fp32_projection and bf16_inputs:
         passes["fp32_projection"] = partial(collect, "fp32_projection", Fp32ProjectionSetup(**vars(setup)))
@@ -189,7 +189,7 @@ def loop_benchmark(model_name: str, data: Path, opt: LoopOptions) -> dict:
     if "fp32_projection" in times:
         extra["fp32_projection_tok_s"] = tok_s["fp32_projection"]
         extra["min_cosine_to_fp32_projection"] = float(cosines(rows["ours"], rows["fp32_projection"]).min())
-    for variant in ("masked", "padded", "compiled", "plain_rotary", "own_cast"):
+    for variant in ("masked", "padded", "compiled", "plain_rotary", "norm_cast"):
         if variant in times:
             extra[f"{variant}_collector_tok_s"] = tok_s[variant]
             extra[f"{variant}_max_rel_diff"] = float(
@@ -230,7 +230,7 @@ def summary_line(loop: dict) -> str:
                 ("padded", "on padded batches"),
                 ("compiled", "compiled"),
                 ("plain_rotary", "with transformers' rotary"),
-                ("own_cast", "with each layer casting its own input"),
+                ("norm_cast", "with each norm's output cast once"),
             )
             if f"{key}_collector_tok_s" in loop
         )
@@ -400,10 +400,10 @@ def parser() -> argparse.ArgumentParser:
         help="also time the collector with transformers' own rotary embedding (as before lean._Rotary)",
     )
     ap.add_argument(
-        "--own_cast_collector",
+        "--norm_cast_collector",
         action="store_true",
-        help="also time the collector with each layer casting its own input under autocast "
-        "(as before assay.lm.shared_cast)",
+        help="also time the collector with each RMSNorm's output cast once to the autocast dtype "
+        "(a probe of one cast per shared input; its rows differ from the default's)",
     )
     ap.add_argument(
         "--statistic",
@@ -449,7 +449,7 @@ def main() -> None:
                     padded_collector=args.padded_collector,
                     compiled_collector=args.compiled_collector,
                     plain_rotary_collector=args.plain_rotary_collector,
-                    own_cast_collector=args.own_cast_collector,
+                    norm_cast_collector=args.norm_cast_collector,
                     statistic=args.statistic,
                     profile_rows=args.profile,
                 )

@@ -8,7 +8,8 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
-from assay.attribution import collector
+import torch
+
 from assay.lm import lean, padding
 
 
@@ -39,7 +40,21 @@ def forced_mask(on: bool) -> AbstractContextManager[None]:
     return _patched(padding, "mask_needed", lambda model, mask: mask is not None) if on else nullcontext()
 
 
-def own_input_casts(on: bool) -> AbstractContextManager[None]:
-    """Within the block (when `on`), every linear layer under autocast casts its own input, as
-    before `assay.lm.shared_cast`: the same rows, one cast per layer instead of per input."""
-    return _patched(collector, "shared_input_casts", lambda model: nullcontext(0)) if on else nullcontext()
+def norm_output_cast(on: bool) -> AbstractContextManager[None]:
+    """Within the block (when `on`), each frozen RMSNorm's output is cast to the autocast dtype
+    once, so the layers that share it (q, k, v; gate, up) read one copy instead of casting their
+    own, and their input gradients meet in that dtype before one cast back.
+
+    A probe of what one cast per shared input would save in time, not an option: its gradient
+    sum runs in the autocast dtype, so its rows differ from the default's.
+    """
+    if not on:
+        return nullcontext()
+    apply = lean._FrozenRMSNorm.apply  # inherited from torch.autograd.Function
+
+    def cast_once(*args: object) -> torch.Tensor:
+        out = apply(*args)
+        device = out.device.type
+        return out.to(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else out
+
+    return _patched(lean._FrozenRMSNorm, "apply", cast_once)

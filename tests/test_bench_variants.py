@@ -3,29 +3,32 @@ their names say inside their block, and nothing after it."""
 
 from __future__ import annotations
 
-import numpy as np
+import torch
 
-from assay.attribution import collector
-from assay.attribution.projection import Projector
-from assay.core.precision import PrecisionPolicy
-from assay.lm import shared_cast
-from bench.variants import own_input_casts
-from tests.helpers import collect_all, random_examples, tiny_llama
+from assay.lm import lean
+from bench.variants import norm_output_cast
+from tests.helpers import tiny_llama
 
 
-def _shared_casts_made(on: bool, monkeypatch) -> int:
-    """How many layers took the shared cast in one bf16 collection with the variant `on`."""
-    made = []
-    real = shared_cast._SharedCast.apply
-    monkeypatch.setattr(shared_cast._SharedCast, "apply", lambda *a: made.append(1) or real(*a))
-    policy = PrecisionPolicy.resolve("bf16", "cpu")
-    with own_input_casts(on):
-        collect_all(tiny_llama(), random_examples([6, 4], seed=0), np.arange(2), Projector(4, 0), policy)
-    return len(made)
+def _q_proj_input_dtypes(model: torch.nn.Module, on: bool) -> list[torch.dtype]:
+    seen: list[torch.dtype] = []
+    q_proj = model.model.layers[0].self_attn.q_proj
+    handle = q_proj.register_forward_pre_hook(lambda module, args: seen.append(args[0].dtype))
+    ids = torch.randint(0, 64, (2, 8))
+    try:
+        with lean.recompute_elementwise(model), norm_output_cast(on):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                model(ids).logits.float().sum().backward()
+    finally:
+        handle.remove()
+    return seen
 
 
-def test_own_input_casts_skips_the_shared_cast_and_is_undone_after(monkeypatch):
-    assert _shared_casts_made(True, monkeypatch) == 0
-    assert "shared_input_casts" in vars(collector)
-    assert collector.shared_input_casts is shared_cast.shared_input_casts  # the default is back
-    assert _shared_casts_made(False, monkeypatch) > 0
+def test_norm_output_cast_hands_the_layers_one_bf16_copy_and_is_undone_after():
+    model = tiny_llama(vocab_size=64)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model.model.embed_tokens.weight.requires_grad_(True)  # so backward reaches the norms
+    assert _q_proj_input_dtypes(model, on=True) == [torch.bfloat16]
+    assert "apply" not in vars(lean._FrozenRMSNorm)  # the inherited apply is back
+    assert _q_proj_input_dtypes(model, on=False) == [torch.float32]

@@ -39,7 +39,6 @@ from assay.core.precision import STATS_DTYPE, PrecisionPolicy, check_finite, ful
 from assay.lm.hooks import is_conv1d, is_linear, match_modules
 from assay.lm.lean import grouped_query_attention, recompute_elementwise
 from assay.lm.packing import SEGMENTS, Repadding, is_packed
-from assay.lm.shared_cast import shared_input_casts
 
 Objective = Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]
 """(model, batch) -> [B] per-example scalars whose gradients are collected."""
@@ -142,7 +141,6 @@ class GradientCollector:
         self.attach()
         self._lean.enter_context(recompute_elementwise(self.model, self._compiled))
         self._lean.enter_context(grouped_query_attention(self._device))
-        self._lean.enter_context(shared_input_casts(self.model))
         return self
 
     def __exit__(self, *exc: object) -> None:
