@@ -9,9 +9,11 @@ small per-module product; see `LowRank`).
 Why it is fast: scoring a few queries is memory-bound, so every row should cross the memory bus
 once. Rows are scored in chunks (~64 MiB of fp32) and within a chunk in blocks of ~2 MiB of fp32
 that stay in the core's cache between the cast, the GEMM and the norms. An fp32 index's block is
-copied from the page cache into a buffer of the thread (`rows.FileBlocks`), so resident memory
-stays at a few blocks whatever N is. fp16 rows are used where the page cache holds them (a
-chunk's pages mapped in one call and unmapped when the chunk is done, `rows.FileWindows`), cast
+either copied from the page cache into a buffer of the thread (`rows.FileBlocks`) or used where
+the page cache holds it, whichever the first chunks of the pass showed faster on this machine
+(`rows.FileReads`); resident memory stays at a few chunks whatever N is. fp16 rows are used where
+the page cache holds them (a chunk's pages mapped in one call and unmapped when the chunk is done,
+`rows.FileWindows`), cast
 block by block, or for inner, influence and cosine screened whole by an fp16 GEMM with a proven
 error bound, only the rows that may reach the top k being scored again exactly (`Screen`): a
 stored number is then read once, as fp16. Chunks are spread over worker threads, one per core,
@@ -24,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -37,7 +40,7 @@ from assay.attribution.precondition import Whitening
 
 # ArrayRows, TensorRows and the per-row caches are re-exported: callers import them with the kernel
 from assay.attribution.rows import ArrayRows as ArrayRows
-from assay.attribution.rows import FileBlocks, RowSource, thread_buffer
+from assay.attribution.rows import FileBlocks, FileReads, RowSource, thread_buffer
 from assay.attribution.rows import TensorRows as TensorRows
 from assay.attribution.rows import base_sq_norms as base_sq_norms
 from assay.attribution.rows import row_norms as row_norms
@@ -448,37 +451,34 @@ def score_rows(
     device = plan.vectors.device
 
     screen = plan.screen is not None and scores_out is None
+    spans = [(a, min(a + chunk_rows, source.num_rows)) for a in range(0, source.num_rows, max(chunk_rows, 1))]
+    reads = FileReads.of(source, device, len(spans))
 
-    def score(start: int, stop: int, slot: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        lazy = _file_blocks(source, start, stop, device)
-        if lazy is not None:
-            return chunk_scores(plan, lazy, start), None
+    def score(chunk: int, start: int, stop: int, slot: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if reads is not None:  # an fp32 file: timed while `reads` chooses how to read it
+            began = time.perf_counter()
+            way, chunk_rows = reads.rows(chunk, start, stop, slot)
+            scores = chunk_scores(plan, chunk_rows, start)
+            reads.record(way, time.perf_counter() - began, stop - start)
+            return scores, None
         rows = source.read_raw(start, stop, slot).to(device)
         if screen and rows.dtype == torch.float16:
             return screened_chunk(plan, rows, start, top_k)
         return chunk_scores(plan, rows, start), None
 
-    spans = [(a, min(a + chunk_rows, source.num_rows)) for a in range(0, source.num_rows, max(chunk_rows, 1))]
     with single_threaded_torch(workers) as pool:
-        pending = deque(pool.submit(score, *span, i % depth) for i, span in enumerate(spans[:depth]))
+        pending = deque(pool.submit(score, i, *span, i % depth) for i, span in enumerate(spans[:depth]))
         for i, (start, stop) in enumerate(spans):
             scores, positions = pending.popleft().result()
             if i + depth < len(spans):  # its slot's previous chunk has been scored
-                pending.append(pool.submit(score, *spans[i + depth], (i + depth) % depth))
+                j = i + depth
+                pending.append(pool.submit(score, j, *spans[j], j % depth))
             running.update(scores, start, positions)
             if scores_out is not None:
                 scores_out[:, start:stop] = scores.cpu().numpy()
             if on_chunk is not None:
                 on_chunk(stop)
     return running.result()
-
-
-def _file_blocks(source: RowSource, start: int, stop: int, device: torch.device) -> FileBlocks | None:
-    """Rows start..stop read from the index file a block at a time, where they are an fp32 file's
-    scored on the CPU (see `FileBlocks`)."""
-    if device.type != "cpu" or not isinstance(source, ArrayRows):
-        return None
-    return source.file_blocks(start, stop)
 
 
 @contextlib.contextmanager

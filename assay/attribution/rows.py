@@ -165,8 +165,8 @@ class FileBlocks:
     Scoring a few queries is memory-bound. A block copied from the page cache into a cache-sized
     buffer is multiplied while it is still in the core's cache, so each row crosses the memory
     bus about once, and nothing is mapped: mapping a chunk's pages (`FileWindows`) costs a
-    page-table update per 4 KiB on every pass; on AMD EPYC, dropping it took cached TrackStar on
-    an fp32 index from 1.35-1.58x the in-memory matmul to 0.77-0.96x (docs/BENCHMARKS.md, "Scoring").
+    page-table update per 4 KiB on every pass. Which costs more, that or the copy, depends on
+    the machine (`FileReads` times both).
     """
 
     def __init__(self, file: FileWindows, start: int, stop: int, dim: int):
@@ -185,6 +185,59 @@ class FileBlocks:
             c = min(step, num_rows - s)
             self.file.read_into(view[: c * row_bytes], (self.start + s) * dim)
             yield s, buffer[:c]
+
+
+class FileReads:
+    """How the scoring kernel reads an fp32 index file's chunks: a block at a time into a buffer
+    (`FileBlocks`) or through the file's mapping (`FileWindows`). The first chunks are read each
+    way in turn and timed; the rest go the faster way.
+
+    Neither way is faster everywhere: the one copies every row from the page cache, the other
+    maps its pages anew on every pass. Cached TrackStar on an fp32 index measured 0.77-0.96x the
+    in-memory matmul by blocks against 1.35-1.58x mapped on AMD EPYC, and 1.73x by blocks
+    against 1.19x mapped on an Intel Xeon with AMX (docs/BENCHMARKS.md, "Scoring"). Both ways
+    hand the same rows to the same block GEMMs, so the choice changes no score.
+    """
+
+    WAYS = ("blocks", "mapped")
+    TRIAL = 2
+    """Chunks read each way before choosing; an index of fewer than 3x that many chunks is read
+    by blocks (too small for the choice to matter)."""
+
+    def __init__(self, source: ArrayRows, chunks: int) -> None:
+        self.source = source
+        self.trial = self.TRIAL if chunks >= 3 * len(self.WAYS) * self.TRIAL else 0
+        self.seconds_per_row: dict[str, list[float]] = {way: [] for way in self.WAYS}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def of(cls, source: RowSource, device: torch.device, chunks: int) -> FileReads | None:
+        """The reads of `source` in `chunks` chunks if it is a whole fp32 file scored on the CPU,
+        else None (the source's own `read_raw`)."""
+        if device.type != "cpu" or not isinstance(source, ArrayRows):
+            return None
+        return cls(source, chunks) if source.file_blocks(0, 0) is not None else None
+
+    def rows(self, chunk: int, start: int, stop: int, slot: int) -> tuple[str, FileBlocks | torch.Tensor]:
+        """(the way, rows start..stop read that way) for chunk number `chunk`; mapped rows are
+        valid until `slot` is read again."""
+        way = self.way(chunk)
+        blocks = self.source.file_blocks(start, stop) if way == "blocks" else None
+        return way, blocks if blocks is not None else self.source.read_raw(start, stop, slot)
+
+    def way(self, chunk: int) -> str:
+        """How to read chunk number `chunk`: in turn during the trial, then the faster way so far."""
+        if chunk < self.trial * len(self.WAYS):
+            return self.WAYS[chunk % len(self.WAYS)]
+        with self._lock:
+            timed = {way: min(t) for way, t in self.seconds_per_row.items() if t}
+        return min(timed, key=timed.__getitem__) if len(timed) == len(self.WAYS) else self.WAYS[0]
+
+    def record(self, way: str, seconds: float, rows: int) -> None:
+        """A trial chunk's time (chunks after the trial are not timed)."""
+        with self._lock:
+            if len(self.seconds_per_row[way]) < self.trial:
+                self.seconds_per_row[way].append(seconds / max(rows, 1))
 
 
 _thread_buffers = threading.local()

@@ -135,19 +135,24 @@ def test_memmap_file_rows_fp16(data, tmp_path):
     assert ArrayRows(exact).file_blocks(0, 10) is None  # rows in memory are used where they are
 
 
+@pytest.mark.parametrize("way", ["blocks", "mapped", "chosen"])
 @pytest.mark.parametrize("mode", [*MODES, "trackstar-cached"])
-def test_fp32_file_rows_are_read_block_by_block(data, mode, tmp_path, monkeypatch):
-    """An fp32 index file is scored from blocks read into a thread buffer (no mapping), bit-identical
-    to the same rows in memory, a short block last in each chunk, on any worker count."""
+def test_fp32_file_rows_score_alike_either_way(data, mode, way, tmp_path, monkeypatch):
+    """An fp32 index file scores bit-identically to the same rows in memory on any worker count,
+    read by blocks into a thread buffer (a short block last in each chunk), through the mapping,
+    or as `FileReads` chooses after trying both (every chunk of 100 rows: 10 chunks)."""
     train, queries, whitening = data
     np.save(tmp_path / "g.npy", train)
     source = ArrayRows(np.load(tmp_path / "g.npy", mmap_mode="r"))
     monkeypatch.setattr(kernel, "BLOCK_BYTES", 16 * 4 * train.shape[1])  # 16-row blocks
-    reads = []
+    monkeypatch.setattr(rows_module.FileReads, "TRIAL", 1)  # 10 chunks: enough to try both ways
+    if way != "chosen":
+        monkeypatch.setattr(rows_module.FileReads, "way", lambda self, chunk: way)
+    reads, mapped = [], []
     windows = rows_module.FileWindows
-    real = windows.read_into
-    monkeypatch.setattr(windows, "read_into", lambda s, out, a: reads.append(a) or real(s, out, a))
-    monkeypatch.setattr(windows, "rows", lambda *a: pytest.fail("fp32 rows were mapped"))
+    real_read, real_rows = windows.read_into, windows.rows
+    monkeypatch.setattr(windows, "read_into", lambda s, out, a: reads.append(a) or real_read(s, out, a))
+    monkeypatch.setattr(windows, "rows", lambda s, a, b, slot: mapped.append(a) or real_rows(s, a, b, slot))
     base = None
     if mode.endswith("cached"):
         base = base_sq_norms(TensorRows(torch.from_numpy(train)), whitening, 300)
@@ -158,7 +163,28 @@ def test_fp32_file_rows_are_read_block_by_block(data, mode, tmp_path, monkeypatc
         got = np.zeros((4, 1000), np.float32)
         score_rows(source, plan, scores_out=got, chunk_rows=100, workers=workers)  # 6 × 16 + 4 per chunk
         np.testing.assert_array_equal(got, want)
-    assert sorted(set(reads))[:8] == [0, 16 * 32, 32 * 32, 48 * 32, 64 * 32, 80 * 32, 96 * 32, 100 * 32]
+    assert bool(reads) == (way != "mapped") and bool(mapped) == (way != "blocks")
+    if way == "blocks":
+        assert sorted(set(reads))[:8] == [0, 16 * 32, 32 * 32, 48 * 32, 64 * 32, 80 * 32, 96 * 32, 100 * 32]
+
+
+def test_file_reads_try_each_way_then_keep_the_faster(tmp_path):
+    np.save(tmp_path / "g.npy", np.zeros((4, 3), np.float32))
+    source = ArrayRows(np.load(tmp_path / "g.npy", mmap_mode="r"))
+    cpu = torch.device("cpu")
+    assert rows_module.FileReads.of(ArrayRows(np.zeros((4, 3), np.float32)), cpu, 100) is None  # in memory
+    reads = rows_module.FileReads.of(source, cpu, chunks=100)
+    assert reads is not None
+    assert [reads.way(c) for c in range(4)] == ["blocks", "mapped", "blocks", "mapped"]
+    assert reads.way(4) == "blocks"  # no times yet: the default
+    for way, seconds in [("blocks", 2.0), ("mapped", 1.5), ("blocks", 1.8), ("mapped", 1.4)]:
+        reads.record(way, seconds, rows=1000)
+    reads.record("mapped", 9.0, rows=1000)  # after its trial: not counted
+    assert reads.way(4) == reads.way(99) == "mapped"
+    reads.record("blocks", 0.1, rows=1000)  # the trial is over for blocks too
+    assert reads.way(5) == "mapped"
+    few = rows_module.FileReads(source, chunks=11)  # under 3 × 2 × TRIAL chunks: no trial
+    assert {few.way(c) for c in range(11)} == {"blocks"}
 
 
 def test_a_truncated_fp32_file_is_a_clear_error_when_scored(data, tmp_path):
