@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).parent))
+from bench_verify import timed  # noqa: E402
 from machine import header  # noqa: E402
 
 
@@ -36,17 +36,6 @@ def written_out_backward(q, k, v, out, lse, grad, scale):
     delta = (grad.float() * out.float()).sum(-1, keepdim=True)
     dscores = probs.mul_(dprobs.sub_(delta)).mul_(scale).to(q.dtype)
     return torch.matmul(dscores, k), torch.matmul(dscores.transpose(-1, -2), q), dv
-
-
-def ms(fn: Callable[[], object], repeats: int) -> float:
-    """Median milliseconds of `fn` over `repeats` calls, after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2] * 1e3
 
 
 def one_shape(batch: int, length: int, args: argparse.Namespace, dtype: torch.dtype) -> str:
@@ -72,11 +61,13 @@ def one_shape(batch: int, length: int, args: argparse.Namespace, dtype: torch.dt
     err = max(
         float((w.float() - x.grad.float()).norm() / x.grad.float().norm()) for w, x in zip(written, (q, k, v))
     )
+    reps = args.repeats
     with torch.no_grad():
-        flash_fwd = ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), args.repeats)
-        written_bwd = ms(lambda: written_out_backward(q, k, v, out, lse.float(), grad, scale), args.repeats)
-    flash = ms(backend(SDPBackend.FLASH_ATTENTION), args.repeats)
-    math = ms(backend(SDPBackend.MATH), args.repeats)
+        flash_fwd = 1e3 * timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), reps)
+        lse32 = lse.float()
+        written_bwd = 1e3 * timed(lambda: written_out_backward(q, k, v, out, lse32, grad, scale), reps)
+    flash = 1e3 * timed(backend(SDPBackend.FLASH_ATTENTION), reps)
+    math = 1e3 * timed(backend(SDPBackend.MATH), reps)
     times = f"{flash:>13.1f} {flash_fwd:>9.1f} {math:>12.1f} {written_bwd:>16.1f}"
     return f"{batch:>5} {length:>6} {times} {err:>10.1e}"
 
