@@ -68,7 +68,7 @@ targeted-demo: setup
 # machine: `assay build` against bergson 2.5.1 (in $(PEERS)) on a random 2.1M-parameter Llama and on
 # SmolLM2-135M (the packaged checkpoint), whole processes alternated (and each side once over one
 # tune: what its process holds before the loop), then cached TrackStar against the in-memory
-# matmul. About 20 min on 2 quiet cores (run nothing else); each report in bench-out/*.txt starts
+# matmul on an fp16 index and on an fp32 one (the default store dtype). About 20 min on 2 quiet cores (run nothing else); each report in bench-out/*.txt starts
 # with the CPU model and ISA features.
 BENCH_OUT ?= bench-out
 .PHONY: bench-cpu
@@ -88,3 +88,5 @@ bench-cpu: setup
 	    --peer_python $(PEERS)/bin/python | tee $(BENCH_OUT)/build-smollm2.txt
 	$(PY) bench/bench_score.py --rows 100000 --dim 3584 --queries 4 --repeats 2 --rounds 3 \
 	    | tee $(BENCH_OUT)/score.txt
+	$(PY) bench/bench_score.py --rows 100000 --dim 3584 --queries 4 --repeats 2 --rounds 3 --dtype float32 \
+	    | tee $(BENCH_OUT)/score-fp32.txt
