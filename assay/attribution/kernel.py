@@ -13,12 +13,12 @@ either copied from the page cache into a buffer of the thread (`rows.FileBlocks`
 the page cache holds it, whichever the first chunks of the pass showed faster on this machine
 (`rows.FileReads`); resident memory stays at a few chunks whatever N is. fp16 rows are used where
 the page cache holds them (a chunk's pages mapped in one call and unmapped when the chunk is done,
-`rows.FileWindows`), cast
-block by block, or for inner, influence and cosine screened whole by an fp16 GEMM with a proven
-error bound, only the rows that may reach the top k being scored again exactly (`Screen`): a
-stored number is then read once, as fp16. Chunks are spread over worker threads, one per core,
-each running single-threaded torch: a few large operations per chunk instead of many small
-multi-threaded ones whose synchronisation would cost more than their arithmetic.
+`rows.FileWindows`), cast block by block, or for inner, influence and cosine screened whole
+by an fp16 GEMM with a proven error bound, only the rows that may reach the top k being scored
+again exactly (`Screen`): a stored number is then read once, as fp16. Chunks are spread over
+worker threads, one per core, each running single-threaded torch: a few large operations per
+chunk instead of many small multi-threaded ones whose synchronisation would cost more than their
+arithmetic.
 """
 
 from __future__ import annotations
@@ -457,8 +457,8 @@ def score_rows(
     def score(chunk: int, start: int, stop: int, slot: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         if reads is not None:  # an fp32 file: timed while `reads` chooses how to read it
             began = time.perf_counter()
-            way, chunk_rows = reads.rows(chunk, start, stop, slot)
-            scores = chunk_scores(plan, chunk_rows, start)
+            way, read = reads.rows(chunk, start, stop, slot)
+            scores = chunk_scores(plan, read, start)
             reads.record(way, time.perf_counter() - began, stop - start)
             return scores, None
         rows = source.read_raw(start, stop, slot).to(device)

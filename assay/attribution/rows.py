@@ -201,8 +201,8 @@ class FileReads:
 
     WAYS = ("blocks", "mapped")
     TRIAL = 2
-    """Chunks read each way before choosing; an index of fewer than 3x that many chunks is read
-    by blocks (too small for the choice to matter)."""
+    """Chunks read each way before choosing; an index of fewer than 3 x 2 x TRIAL chunks is read
+    by blocks (too small for the trial to pay)."""
 
     def __init__(self, source: ArrayRows, chunks: int) -> None:
         self.source = source
