@@ -9,6 +9,7 @@ Each case runs in its own subprocess so its peak resident memory (ru_maxrss) is 
              that may reach the top k (the rows' norms come from the index's norms.npy)
 Usage: python bench/bench_score.py [--rows 100000] [--dim 3584] [--queries 4] [--repeats 3] [--rounds 3]
                                    [--dtype float16] [--chunk_mib 32 64] [--block_mib 0.5 1]
+                                   [--fp32_reads blocks|mapped]
 Ratios are medians over rounds of each case's time over the matmul's time in the same round:
 `vs matmul` for the median of the passes after the first, `1st pass` for a process's first
 pass (the only one an `assay score` run makes), both over the matmul's warm time.
@@ -69,9 +70,16 @@ def rss_mib(field: str = "VmRSS") -> float:
 
 
 def run_case(
-    case: str, path: Path, queries: int, repeats: int, chunk_mib: int = 0, block_mib: float = 0
+    case: str,
+    path: Path,
+    queries: int,
+    repeats: int,
+    chunk_mib: int = 0,
+    block_mib: float = 0,
+    reads: str = "",
 ) -> dict:
     from assay.attribution import kernel
+    from assay.attribution import rows as rows_module
     from assay.attribution.kernel import ArrayRows, plan_queries, score_rows
     from assay.attribution.score import auto_chunk_rows
     from assay.core.memory import return_freed_memory
@@ -79,6 +87,8 @@ def run_case(
     return_freed_memory()  # as the `assay` command does
     if block_mib:
         kernel.BLOCK_BYTES = int(block_mib * 2**20)
+    if reads:  # every chunk of an fp32 index read this way, not as the kernel's trial chooses
+        rows_module.FileReads.way = lambda self, chunk: reads  # type: ignore[method-assign]
 
     rows = np.load(path, mmap_mode="r")
     n, dim = rows.shape
@@ -180,13 +190,23 @@ def main() -> None:
         help="the exact path's block of fp32 rows per GEMM (cached TrackStar's per bmm), MiB "
         "(0: the kernel's own)",
     )
+    ap.add_argument(
+        "--fp32_reads",
+        choices=["blocks", "mapped"],
+        default="",
+        help="read every chunk of an fp32 index this way (default: as the kernel's timed trial chooses)",
+    )
     ap.add_argument("--out", default="", help="also write the machine and the results as JSON here")
     ap.add_argument("--case", help=argparse.SUPPRESS)
     ap.add_argument("--path", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.case:  # child process: one measurement
         sizes = (args.chunk_mib[0], args.block_mib[0])
-        print(json.dumps(run_case(args.case, Path(args.path), args.queries, args.repeats, *sizes)))
+        print(
+            json.dumps(
+                run_case(args.case, Path(args.path), args.queries, args.repeats, *sizes, args.fp32_reads)
+            )
+        )
         return
     info = machine()
     print(header(info), flush=True)
@@ -216,6 +236,7 @@ def main() -> None:
                 cmd = [sys.executable, __file__, "--case", case, "--path", str(path)]
                 cmd += ["--queries", str(args.queries), "--repeats", str(args.repeats)]
                 cmd += ["--chunk_mib", str(chunk), "--block_mib", str(block)]
+                cmd += ["--fp32_reads", args.fp32_reads] if args.fp32_reads else []
                 out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
                 runs[name].append(json.loads(out.strip().splitlines()[-1]))
         results = []

@@ -194,8 +194,8 @@ class FileReads:
 
     Neither way is faster everywhere: the one copies every row from the page cache, the other
     maps its pages anew on every pass. Cached TrackStar on an fp32 index measured 0.77-0.96x the
-    in-memory matmul by blocks against 1.35-1.58x mapped on AMD EPYC, and 1.73x by blocks
-    against 1.19x mapped on an Intel Xeon with AMX (docs/BENCHMARKS.md, "Scoring"). Both ways
+    in-memory matmul by blocks against 1.35-1.58x mapped on AMD EPYC, and 1.63-1.76x by blocks
+    against 1.19-1.32x mapped on an Intel Xeon with AMX (docs/BENCHMARKS.md, "Scoring"). Both ways
     hand the same rows to the same block GEMMs, so the choice changes no score.
     """
 
@@ -234,7 +234,7 @@ class FileReads:
         return min(timed, key=timed.__getitem__) if len(timed) == len(self.WAYS) else self.WAYS[0]
 
     def record(self, way: str, seconds: float, rows: int) -> None:
-        """A trial chunk's time (chunks after the trial are not timed)."""
+        """A chunk's time, kept while its way's trial lasts (later ones are not counted)."""
         with self._lock:
             if len(self.seconds_per_row[way]) < self.trial:
                 self.seconds_per_row[way].append(seconds / max(rows, 1))
