@@ -22,7 +22,13 @@ import tyro
 from torch import nn
 
 from assay.attribution import index as ix
-from assay.attribution.collector import DEFAULT_MODULES, GradientCollector, Objective, linear_modules
+from assay.attribution.collector import (
+    DEFAULT_MODULES,
+    GradientCollector,
+    Objective,
+    linear_modules,
+    warn_silent_lora,
+)
 from assay.attribution.index import save_preconditioner_stats
 from assay.attribution.kfac import Kind, save_factors
 from assay.attribution.kfac_fit import fit_kfac
@@ -262,6 +268,7 @@ def build_index(cfg: BuildConfig) -> dict[str, Any]:
         else:
             model = load_model(cfg.model, policy, cfg.runtime.attention)
         modules = linear_modules(model, cfg.modules)
+        warn_silent_lora(model, modules)
         fingerprint = model_fingerprint(model)  # of the fp32 weights, before any cast
         inputs = {"dataset": examples_fingerprint(examples), "model": fingerprint}
         check_inputs(run, {**inputs, "tokenizer": tokenizer_fingerprint(tokenizer)})

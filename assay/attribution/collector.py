@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from assay.attribution.projection import Projector
+from assay.core.console import warn
 from assay.core.errors import AssayError
 from assay.core.precision import STATS_DTYPE, PrecisionPolicy, check_finite, full_precision
 from assay.lm.hooks import is_conv1d, is_linear, match_modules
@@ -59,6 +60,26 @@ def linear_modules(model: nn.Module, patterns: tuple[str, ...] = DEFAULT_MODULES
         sample = ", ".join(list(found)[:6]) or "none"
         raise AssayError(f"no trainable linear module matches --modules {' '.join(patterns)}; some: {sample}")
     return {n: found[n] for n in chosen}
+
+
+def warn_silent_lora(model: nn.Module, modules: dict[str, nn.Module]) -> None:
+    """One line when collected layers are LoRA A layers whose B is all zero (PEFT's initialisation
+    of a fresh adapter): A's gradient, Bᵀ g aᵀ, is then exactly 0 until the adapter is trained, so
+    those layers only widen every row (scoring leaves them out: `precondition.silent`)."""
+    found = dict(model.named_modules())
+    silent = []
+    for name in modules:
+        partner = found.get(name.replace(".lora_A.", ".lora_B.")) if ".lora_A." in name else None
+        weight = getattr(partner, "weight", None)
+        sharded = type(getattr(weight, "data", None)).__name__ == "DTensor"  # --fsdp: left unchecked
+        if isinstance(weight, torch.Tensor) and not sharded and not bool(weight.any()):
+            silent.append(name)
+    if silent:
+        warn(
+            f"{len(silent)} of the {len(modules)} collected layers are LoRA A layers whose B is all zero "
+            f"(a fresh adapter; e.g. {silent[0]}): their gradients are 0 until it is trained. Collect "
+            "the others alone with --modules '!*lora_A*', or start from a trained adapter"
+        )
 
 
 @dataclass

@@ -182,6 +182,8 @@ class ModuleFactors:
     def precondition(self, grad: torch.Tensor, kind: Kind, delta: float) -> torch.Tensor:
         """(H + δI)⁻¹ applied to weight gradients [B, out, in] (or [out, in]), in grad's dtype."""
         lam = self.eigenvalues(kind).to(grad.device, grad.dtype)  # [out, in]
+        if not bool(lam.any()):  # no gradient in the fit (a fresh LoRA's A): the pseudo-inverse, 0
+            return torch.zeros_like(grad)
         if delta <= 0 and bool((lam <= 0).any()):
             raise AssayError("the curvature is singular (zero eigenvalues) and the damping is 0; damp it")
         rotated = self.a.to_eigen(self.g.to_eigen(grad, dim=-2), dim=-1)  # Q_Gᵀ X Q_A

@@ -28,6 +28,9 @@ import torch
 from assay.core.errors import AssayError
 from assay.core.precision import LINALG_DTYPE, STATS_DTYPE
 
+LOW_RANK_VERSION = 2
+"""Part of `LowRank.key`, so that norms cached by an earlier computation are not reused. 2: a
+`silent` module is left out (1 cached NaN norms for every row of an index that had one)."""
 MIX_FRACTION = 1000 / 65536
 """Fraction of the dimensions the automatic λ down-weights (TrackStar: 1000 of 65,536)."""
 
@@ -80,15 +83,26 @@ def auto_mix(
 
 
 def inverse_sqrt(moment: torch.Tensor) -> torch.Tensor:
-    """M^{-1/2} of a (damped) symmetric PSD matrix, in fp64 through `eigh`.
+    """M^{-1/2} of a (damped) symmetric PSD matrix, in fp64 through `eigh`; 0 for M = 0.
 
     Eigenvalues are clamped at a tiny positive floor first (rounding can make a PSD matrix
     slightly indefinite; with --damping 0 a singular R stays finite).
     """
+    if not bool(moment.any()):
+        return torch.zeros_like(moment, dtype=LINALG_DTYPE)  # see `silent`
     with single_thread():
         vals, vecs = torch.linalg.eigh(moment.to(LINALG_DTYPE))
     floor = max(float(vals.max()) * 1e-12, torch.finfo(LINALG_DTYPE).tiny)
     return (vecs * vals.clamp_min(floor).rsqrt()) @ vecs.T
+
+
+def silent(moment: torch.Tensor) -> bool:
+    """Whether a module's second moment is exactly 0: every gradient of the sample is 0 there
+    (a fresh LoRA adapter's A layers, whose B starts at 0). Its R^{-1/2} is taken as 0, the
+    pseudo-inverse: the module is left out of the whitened space (train rows are 0 there
+    anyway, so it could only change the query's norm), where the inverse would be infinite and
+    every score NaN."""
+    return not bool(moment.any())
 
 
 def mean_eigenvalue(moment: torch.Tensor) -> float:
@@ -192,6 +206,9 @@ def _build_whitening(train_sums, train_count, query_grads, slices, mix, damping,
     matrices = {}
     for name in slices:
         eye = torch.eye(r_train[name].shape[0], dtype=LINALG_DTYPE)
+        if mix < 1 and silent(r_train[name]):
+            matrices[name] = torch.zeros_like(eye, dtype=STATS_DTYPE)
+            continue
         if mix < 1:
             moment = (1 - mix) * (r_train[name] + deltas[name] * eye)
             moment = moment + mix * r_query[name] if mix > 0 else moment
@@ -205,10 +222,16 @@ def _build_whitening(train_sums, train_count, query_grads, slices, mix, damping,
 def _low_rank(r_train, deltas, query_grads, slices, mix, damping) -> LowRank:
     """The pieces of the Woodbury form of ‖W t‖² (see LowRank)."""
     base, factors, kinv = {}, {}, {}
-    digest = hashlib.sha256(f"damping={damping!r}".encode())
+    digest = hashlib.sha256(f"v{LOW_RANK_VERSION} damping={damping!r}".encode())
     for name, sl in slices.items():
         r = r_train[name]
         digest.update(name.encode() + r.numpy().tobytes())
+        if silent(r):  # left out, as in the whitening: ‖W t‖² = 0 for the module
+            base[name] = torch.zeros_like(r, dtype=STATS_DTYPE)
+            if mix > 0:
+                factors[name] = torch.zeros(r.shape[0], query_grads.shape[0], dtype=STATS_DTYPE)
+                kinv[name] = torch.eye(query_grads.shape[0], dtype=LINALG_DTYPE)
+            continue
         with single_thread():
             vals, vecs = torch.linalg.eigh(r + deltas[name] * torch.eye(r.shape[0], dtype=LINALG_DTYPE))
         vals = vals.clamp_min(max(float(vals.max()) * 1e-12, torch.finfo(LINALG_DTYPE).tiny))

@@ -213,13 +213,18 @@ def score_index(
     plan = plan_queries(queries, mode, o.aggregate, whitening, base, norms)
     with Progress(len(index), "score", unit="row") as bar:
         top = score_rows(ArrayRows(index.gradients), plan, o.top_k, scores_out, chunk_rows, bar.set_done)
-    if top.non_finite_rows:
-        warn(
-            f"{index.path}: {top.non_finite_rows} rows score inf/NaN (first: id "
-            f"{int(index.ids[top.first_non_finite])}); they are ranked last and left out of the results: "
-            "the index is damaged, rebuild it"
-        )
+    warn_non_finite(top, index.ids, str(index.path), "the index is damaged, rebuild it")
     return top, whitening
+
+
+def warn_non_finite(top: TopRows, ids: np.ndarray, source: str, cause: str) -> None:
+    """One line when some rows scored inf/NaN: they are ranked last and `top_records` leaves them out."""
+    if top.non_finite_rows:
+        first = int(ids[top.first_non_finite])
+        warn(
+            f"{source}: {top.non_finite_rows} rows score inf/NaN (first: id {first}); "
+            f"they are ranked last and left out of the results: {cause}"
+        )
 
 
 def raw_curvature_queries(index: GradientIndex, queries: torch.Tensor, damping: float) -> torch.Tensor:
@@ -259,8 +264,9 @@ def _assemble(parts: list[tuple[np.ndarray, np.ndarray]], n: int) -> np.ndarray:
     return out
 
 
-def top_records(index: GradientIndex, query_ids: list[Any], top: TopRows, aggregate: str) -> list[dict]:
-    """One record per score column: proponents and opponents as [train_id, score] pairs."""
+def top_records(ids: np.ndarray, query_ids: list[Any], top: TopRows, aggregate: str) -> list[dict]:
+    """One record per score column: proponents and opponents as [train_id, score] pairs, `ids`
+    [N] the example id of each row position (an index's `ids`)."""
     names = query_ids if aggregate == "none" else [aggregate]
     records = []
     for col, name in enumerate(names):
@@ -271,8 +277,8 @@ def top_records(index: GradientIndex, query_ids: list[Any], top: TopRows, aggreg
             ("proponents", top.top_rows, top.top_values),
             ("opponents", top.bottom_rows, top.bottom_values),
         ):
-            record[key] = [  # non-finite: damaged rows ranked last (score_index warned about them)
-                [int(index.ids[r]), float(v)]
+            record[key] = [  # non-finite: rows ranked last (`warn_non_finite` said so)
+                [int(ids[r]), float(v)]
                 for r, v in zip(rows[col].tolist(), values[col].tolist())
                 if math.isfinite(v)
             ]

@@ -43,7 +43,7 @@ from assay.attribution.build import (
     load_or_estimate_normalizer,
     refuse_non_finite,
 )
-from assay.attribution.collector import DEFAULT_MODULES, linear_modules
+from assay.attribution.collector import DEFAULT_MODULES, linear_modules, warn_silent_lora
 from assay.attribution.kernel import QueryPlan, RunningTop, TopRows, chunk_scores, plan_queries
 from assay.attribution.normalizers import sample_positions
 from assay.attribution.options import ScoreOptions
@@ -149,6 +149,7 @@ def corpus_setup(build: BuildConfig, folder: Path) -> tuple[GradientSetup, Any, 
     table, examples = load_examples(build.data, tokenizer)
     model = load_model(build.model, policy, build.runtime.attention)
     modules = linear_modules(model, build.modules)
+    warn_silent_lora(model, modules)
     fingerprint = model_fingerprint(model)
     pad = tokenizer.pad_token_id
     normalizer = load_or_estimate_normalizer(build, folder, model, modules, examples, policy, pad)

@@ -23,7 +23,7 @@ import tyro
 from assay.attribution.build import GradientSetup, setup_from_index
 from assay.attribution.collector import Objective
 from assay.attribution.index import GradientIndex, open_index
-from assay.attribution.kernel import RunningTop, TopRows
+from assay.attribution.kernel import RunningTop
 from assay.attribution.score import (
     ScoreOptions,
     check_compatible,
@@ -31,6 +31,7 @@ from assay.attribution.score import (
     score_index,
     top_records,
     train_texts,
+    warn_non_finite,
 )
 from assay.attribution.stream import CorpusConfig
 from assay.bridge.latent import (
@@ -223,7 +224,7 @@ def run_score(cfg: ScoreConfig) -> dict[str, Any]:
         if scores_out is not None:
             scores_out.flush()
             del scores_out
-        records = top_records(index, queries.ids, top, options.aggregate)
+        records = top_records(index.ids, queries.ids, top, options.aggregate)
         write_jsonl(run.path / "top.jsonl", records)
         write_jsonl(
             run.path / "queries.jsonl", [{"query": q, "text": t} for q, t in zip(queries.ids, queries.texts)]
@@ -287,7 +288,8 @@ def replay_score(cfg: ScoreConfig) -> tuple[dict[str, Any], list[dict], dict[Any
     ids = np.asarray(replayed.train.ids)
     top = RunningTop(scores.shape[0], cfg.options.top_k)
     top.update(torch.from_numpy(scores.astype(np.float32)), 0)
-    records = dense_records(ids, queries.ids, top.result(), cfg.options.aggregate)
+    warn_non_finite(top.result(), ids, str(cfg.finetune), "their metagradients overflowed")
+    records = top_records(ids, queries.ids, top.result(), cfg.options.aggregate)
     listed = {int(p) for r in records for p, _ in r["proponents"] + r["opponents"]}
     texts = texts_by_id(replayed_data(cfg.finetune), listed)
     summary = {
@@ -343,19 +345,6 @@ def texts_by_id(data: DataConfig, ids: set[int]) -> dict[int, str]:
         return {}
     subset = table.select([i for i, v in enumerate(table[ID_COLUMN]) if int(v) in ids])
     return dict(zip((int(v) for v in subset[ID_COLUMN]), texts_of(subset, data)))
-
-
-def dense_records(ids: np.ndarray, query_ids: list[Any], top: TopRows, aggregate: str) -> list[dict]:
-    """top.jsonl records (as `top_records` writes them) from a top/bottom of example positions."""
-    names = query_ids if aggregate == "none" else [aggregate]
-    records = []
-    for col, name in enumerate(names):
-        record: dict[str, Any] = {"query": name} | ({"queries": query_ids} if aggregate != "none" else {})
-        for key, rows, values in (("proponents", top.top_rows, top.top_values),
-                                  ("opponents", top.bottom_rows, top.bottom_values)):  # fmt: skip
-            record[key] = [[int(ids[r]), float(v)] for r, v in zip(rows[col].tolist(), values[col].tolist())]
-        records.append(record)
-    return records
 
 
 def pick_latent(cfg: ScoreConfig, sae_dir: str) -> int:

@@ -13,13 +13,13 @@ from typing import Any
 
 import numpy as np
 
+from assay.attribution.score import top_records, warn_non_finite
 from assay.attribution.stream import StreamResult, corpus_setup, plan_for, stream_scores
 from assay.commands.score import (
     REPORT_RECORDS,
     TEXTS_FILE,
     ScoreConfig,
     checked_query_gradients,
-    dense_records,
 )
 from assay.commands.score_table import print_results
 from assay.commands.score_tokens import TOKENS_FILE, write_tokens
@@ -58,7 +58,9 @@ def stream_run(cfg: ScoreConfig) -> dict[str, Any]:
             run.resumed,
             cfg.corpus.stream_buffer_mib,
         )
-        records = dense_records(examples.ids, queries.ids, result.top, options.aggregate)
+        cause = "their gradients are finite, so the queries' preconditioning overflowed; raise --damping"
+        warn_non_finite(result.top, examples.ids, "the corpus", cause)
+        records = top_records(examples.ids, queries.ids, result.top, options.aggregate)
         write_jsonl(run.path / "top.jsonl", records)
         query_rows = [{"query": q, "text": t} for q, t in zip(queries.ids, queries.texts)]
         write_jsonl(run.path / "queries.jsonl", query_rows)

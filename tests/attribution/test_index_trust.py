@@ -151,7 +151,7 @@ def test_a_nan_row_is_ranked_last_with_a_warning_never_written(copy, mode, caplo
         top, _ = score_index(index, queries, opts)
     assert "ranked last" in caplog.text and f"id {int(index.ids[2])}" in caplog.text
     assert top.non_finite_rows == 1
-    records = top_records(index, [0, 5], top, "none")
+    records = top_records(index.ids, [0, 5], top, "none")
     for record in records:
         ids = [i for i, _ in record["proponents"]] + [i for i, _ in record["opponents"]]
         assert int(index.ids[2]) not in ids and all(np.isfinite(v) for _, v in record["proponents"])
