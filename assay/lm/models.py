@@ -19,9 +19,11 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 import zipfile
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -152,13 +154,23 @@ def load_model(cfg: ModelSource, policy: PrecisionPolicy, attention: str = "auto
     return model.to(policy.device).eval()
 
 
+@contextmanager
+def _peft_deprecation_quiet() -> Iterator[None]:
+    """peft asks transformers 5 by a name it deprecated (`is_gradient_checkpointing`): a
+    FutureWarning on every LoRA run that the user can do nothing about."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", ".*is_gradient_checkpointing", FutureWarning)
+        yield
+
+
 def attach_adapter(model: Any, cfg: ModelSource) -> Any:
     """Load an existing PEFT adapter, or add a fresh LoRA (a ModelConfig's --lora_rank); freeze
     the base weights then."""
     if (Path(cfg.model) / "adapter_config.json").exists():
         from peft import PeftModel  # lazy: ~1 s, only for adapters
 
-        return PeftModel.from_pretrained(model, cfg.model, is_trainable=True)
+        with _peft_deprecation_quiet():
+            return PeftModel.from_pretrained(model, cfg.model, is_trainable=True)
     if isinstance(cfg, ModelConfig) and cfg.lora_rank > 0:
         from peft import LoraConfig, get_peft_model  # lazy: only for a fresh LoRA
 
@@ -172,7 +184,8 @@ def attach_adapter(model: Any, cfg: ModelSource) -> Any:
             init_lora_weights=True,
         )
         try:
-            return get_peft_model(model, lora)
+            with _peft_deprecation_quiet():
+                return get_peft_model(model, lora)
         except ValueError as e:
             raise AssayError(f"could not attach LoRA: {first_line(e)}") from None
     return model
