@@ -20,9 +20,21 @@ def get_module(model: nn.Module, name: str) -> nn.Module:
     try:
         return model.get_submodule(name)
     except AttributeError:
-        close = [n for n, _ in model.named_modules() if n.split(".")[-1] == name.split(".")[-1]][:5]
-        hint = f"; similar: {', '.join(close)}" if close else ""
-        raise AssayError(f"model has no module {name!r}{hint}") from None
+        raise AssayError(f"model has no module {name!r}{_module_hint(model, name)}") from None
+
+
+def _module_hint(model: nn.Module, name: str) -> str:
+    """The names a mistyped `name` may have meant: its parent's children (`model.layers.9` of a
+    4-layer model: model.layers.0 … model.layers.3), else modules of the same last name."""
+    parent, _, _ = name.rpartition(".")
+    with contextlib.suppress(AttributeError):
+        children = [f"{parent}.{child}" for child, _ in model.get_submodule(parent).named_children()]
+        if len(children) > 5:
+            return f"; {parent} holds {children[0]} … {children[-1]} ({len(children)})"
+        if children:
+            return f"; {parent} holds {', '.join(children)}"
+    close = [n for n, _ in model.named_modules() if n.split(".")[-1] == name.split(".")[-1]][:5]
+    return f"; similar: {', '.join(close)}" if close else ""
 
 
 def is_conv1d(module: nn.Module) -> bool:

@@ -10,7 +10,9 @@ import torch
 from assay.core.config import ModelConfig
 from assay.core.errors import AssayError
 from assay.core.precision import PrecisionPolicy
+from assay.lm.hooks import get_module
 from assay.lm.models import load_model, load_tokenizer, model_fingerprint, resolve_device
+from tests.helpers import tiny_llama
 
 FP32 = PrecisionPolicy.resolve("fp32", "cpu")
 
@@ -120,3 +122,17 @@ def test_tokenizer_fingerprint_follows_the_tokenizer(tiny_model_dir):
     after = tokenizer_fingerprint(tokenizer)
     assert after != before
     assert tokenizer_fingerprint(load_tokenizer(ModelConfig(model=str(tiny_model_dir)))) == before
+
+
+@pytest.mark.parametrize(
+    "name,hint",
+    [
+        ("model.layers.9", "; model.layers holds model.layers.0, model.layers.1"),  # past the last layer
+        ("model.layers.0.mlpx", "; model.layers.0 holds model.layers.0.self_attn, model.layers.0.mlp,"),
+        ("layers.1.mlp", "; similar: model.layers.0.mlp, model.layers.1.mlp"),  # the prefix left out
+    ],
+)
+def test_a_mistyped_module_name_says_what_exists(name, hint):
+    with pytest.raises(AssayError) as err:
+        get_module(tiny_llama(), name)
+    assert str(err.value).startswith(f"model has no module {name!r}{hint}")
