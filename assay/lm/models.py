@@ -92,7 +92,7 @@ def load_tokenizer(cfg: ModelSource) -> Any:
     """The tokenizer, with a pad token (the eos token when the model has none)."""
     from transformers import AutoTokenizer  # lazy: heavy; loaded ahead by `assay` itself
 
-    name = resolve_model_path(cfg.tokenizer or _base_model_of(cfg.model))
+    name = resolve_model_path(cfg.tokenizer or _tokenizer_of(cfg.model))
     try:
         tok = AutoTokenizer.from_pretrained(name, trust_remote_code=cfg.trust_remote_code)
     except Exception as e:
@@ -127,9 +127,16 @@ def _base_model_of(name: str) -> str:
     """For a PEFT adapter folder, the model it adapts; otherwise the name itself."""
     adapter_cfg = Path(name) / "adapter_config.json"
     if adapter_cfg.exists():
-        tokenizer_here = any((Path(name) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
-        return name if tokenizer_here else json.loads(adapter_cfg.read_text())["base_model_name_or_path"]
+        return json.loads(adapter_cfg.read_text())["base_model_name_or_path"]
     return name
+
+
+def _tokenizer_of(name: str) -> str:
+    """Where a model's tokenizer is: an adapter folder's own (`assay finetune` saves one beside
+    the adapter), else its base model's."""
+    adapter_cfg = Path(name) / "adapter_config.json"
+    tokenizer_here = any((Path(name) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
+    return name if tokenizer_here or not adapter_cfg.exists() else _base_model_of(name)
 
 
 def load_model(cfg: ModelSource, policy: PrecisionPolicy, attention: str = "auto") -> Any:

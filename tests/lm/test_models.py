@@ -41,6 +41,24 @@ def test_fresh_lora_trains_only_adapter_weights(tiny_model_dir, tmp_path):
     assert load_tokenizer(ModelConfig(model=str(tmp_path / "adapter"))).pad_token_id is not None
 
 
+def test_adapter_folder_with_its_tokenizer_loads_the_adapter_once(tiny_model_dir, tmp_path, recwarn):
+    """`assay finetune` saves the tokenizer beside the adapter; the base model still comes from
+    adapter_config.json (loading the folder itself made transformers attach the adapter, then
+    peft again: "multiple adapters"), and the outputs are base + one adapter's."""
+    model = load_model(ModelConfig(model=str(tiny_model_dir), lora_rank=4), FP32)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.add_(0.5)
+    model.save_pretrained(tmp_path / "adapter")
+    load_tokenizer(ModelConfig(model=str(tiny_model_dir))).save_pretrained(tmp_path / "adapter")
+    reloaded = load_model(ModelConfig(model=str(tmp_path / "adapter")), FP32)
+    assert not [w for w in recwarn if "multiple adapters" in str(w.message)]
+    ids = torch.arange(3, 19)[None]
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
 def test_fingerprint_changes_with_the_weights(tiny_model_dir):
     a = load_model(ModelConfig(model=str(tiny_model_dir)), FP32)
     b = load_model(ModelConfig(model=str(tiny_model_dir)), FP32)
