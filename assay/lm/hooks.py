@@ -16,11 +16,18 @@ from assay.lm.padding import forward_inputs
 
 
 def get_module(model: nn.Module, name: str) -> nn.Module:
-    """The submodule called `name`, with the available names in the error."""
-    try:
+    """The submodule called `name`, with the available names in the error.
+
+    Under a PEFT wrapper `name` may also be the base model's own (`model.layers.2`, as an SAE's
+    hookpoint names it), which the wrapper calls `base_model.model.model.layers.2`.
+    """
+    with contextlib.suppress(AttributeError):
         return model.get_submodule(name)
-    except AttributeError:
-        raise AssayError(f"model has no module {name!r}{_module_hint(model, name)}") from None
+    base = getattr(model, "get_base_model", None)
+    if callable(base):
+        with contextlib.suppress(AttributeError):
+            return base().get_submodule(name)
+    raise AssayError(f"model has no module {name!r}{_module_hint(model, name)}")
 
 
 def _module_hint(model: nn.Module, name: str) -> str:

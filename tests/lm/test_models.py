@@ -154,3 +154,15 @@ def test_a_mistyped_module_name_says_what_exists(name, hint):
     with pytest.raises(AssayError) as err:
         get_module(tiny_llama(), name)
     assert str(err.value).startswith(f"model has no module {name!r}{hint}")
+
+
+def test_a_base_model_hookpoint_resolves_under_a_peft_wrapper():
+    """An SAE's hookpoint names the base model's module; a LoRA index's model is wrapped by peft."""
+    from peft import LoraConfig, get_peft_model  # lazy: as in assay.lm.models
+
+    base = tiny_llama()
+    wrapped = get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj"]))
+    assert get_module(wrapped, "model.layers.1") is base.model.layers[1]
+    assert get_module(wrapped, "base_model.model.model.layers.1") is base.model.layers[1]
+    with pytest.raises(AssayError, match="no module 'model.layers.7'"):
+        get_module(wrapped, "model.layers.7")
