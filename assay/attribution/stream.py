@@ -74,7 +74,8 @@ class CorpusConfig:
     lora_alpha: int = 16
     """LoRA scaling numerator."""
     lora_modules: tuple[str, ...] = ()
-    """Module names LoRA attaches to (default: every attention and MLP projection)."""
+    """Module names LoRA attaches to (default: every linear layer but the output head, i.e. every
+    attention and MLP projection, whatever the family calls them)."""
     data: tyro.conf.OmitArgPrefixes[DataConfig] = field(default_factory=DataConfig)
     precision: PrecisionName = "auto"
     """Precision of the corpus's and the queries' gradients (as `assay build --precision`)."""

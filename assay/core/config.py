@@ -41,7 +41,8 @@ class ModelConfig(ModelSource):
     lora_alpha: int = 16
     """LoRA scaling numerator (the update is scaled by alpha / rank)."""
     lora_modules: tuple[str, ...] = ()
-    """Module names LoRA attaches to (default: every attention and MLP projection)."""
+    """Module names LoRA attaches to (default: every linear layer but the output head, i.e. every
+    attention and MLP projection, whatever the family calls them)."""
 
     def __post_init__(self) -> None:
         if self.lora_rank < 0:

