@@ -320,12 +320,21 @@ def check_sae_precision(name: str) -> None:
 
 
 @dataclass
+class SaeModelSource(ModelSource):
+    """The language model an SAE is spliced into."""
+
+    model: str = ""
+    """A local Hugging Face model folder, a hub id, a PEFT adapter folder or an alias (assay-tiny,
+    smollm2-135m). Default: the model the SAE was trained on (its cfg.json's model_name)."""
+
+
+@dataclass
 class SaeEvalConfig:
     """Reconstruction and splice metrics of a saved SAE (ours or any SAELens-format folder)."""
 
     sae_dir: tyro.conf.Positional[str]
     """Folder with cfg.json and sae_weights.safetensors."""
-    model: tyro.conf.OmitArgPrefixes[ModelSource] = field(default_factory=ModelSource)
+    model: tyro.conf.OmitArgPrefixes[SaeModelSource] = field(default_factory=SaeModelSource)
     data: tyro.conf.OmitArgPrefixes[DataConfig] = field(
         default_factory=lambda: DataConfig("shakespeare", split="eval")
     )

@@ -12,6 +12,7 @@ Reconstruction metrics (MSE, FVU, L0, ...) come from the same activations.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +71,12 @@ class _Splicer:
 
     def __call__(self, name: str, _mod: Any, _inp: Any, out: Any) -> Any:
         h = output_tensor(out)  # [B, T, d]
+        width = self.sae.d_out if name == self.hook_out else self.sae.d_in  # an SAE's d_out is its d_in
+        if h.shape[-1] != width:  # an SAE of another model (or hookpoint): one line, not a shape error
+            raise AssayError(
+                f"{name} gives {h.shape[-1]}-wide activations where the SAE has {width}: "
+                "evaluate it on the model and hookpoint it was trained on (--model, --hookpoint)"
+            )
         if name != self.hook_out:  # a transcoder's input: kept for its output hook
             self.x = h
             return None
@@ -143,6 +150,16 @@ def metrics_path(cfg: SaeEvalConfig) -> Path:
     return out
 
 
+def _trained_on(cfg: SaeEvalConfig, meta: dict[str, Any]) -> str:
+    """The model an SAE's cfg.json says it was trained on (the default --model)."""
+    name = meta.get("model_name")
+    if not name:
+        raise AssayError(
+            f"{cfg.sae_dir}/cfg.json names no model_name; pass --model (the model it was trained on)"
+        )
+    return str(name)
+
+
 def evaluate_sae(cfg: SaeEvalConfig) -> dict[str, Any]:
     """Load an SAE folder, splice it into the model (or score it against a ground-truth file),
     save the metrics (eval.json) and return them with what was measured (`"about"`)."""
@@ -157,10 +174,11 @@ def evaluate_sae(cfg: SaeEvalConfig) -> dict[str, Any]:
         raise AssayError(f"{cfg.sae_dir}/cfg.json names no hook; pass --hookpoint MODULE_NAME")
     context_length = int(cfg.context_length or meta.get("context_size") or 128)
     device, policy = setup_runtime(cfg.runtime)
-    tokenizer = load_tokenizer(cfg.model)
+    source = cfg.model if cfg.model.model else dataclasses.replace(cfg.model, model=_trained_on(cfg, meta))
+    tokenizer = load_tokenizer(source)
     _, examples = load_examples(cfg.data, tokenizer)
     contexts = pack_contexts(examples.tokens, context_length)[: cfg.eval_contexts]
-    model = load_model(cfg.model, policy, cfg.runtime.attention)
+    model = load_model(source, policy, cfg.runtime.attention)
     hookpoint_out = (cfg.hookpoint_out or meta.get("hook_name_out")) if sae.transcoder else None
     if sae.transcoder and not hookpoint_out:
         raise AssayError(
@@ -173,7 +191,7 @@ def evaluate_sae(cfg: SaeEvalConfig) -> dict[str, Any]:
         model, sae.to(device), hookpoint, contexts, lm_region=policy.autocast(), hookpoint_out=hookpoint_out
     )
     metrics.update(eval_tokens=int(contexts.size), context_length=context_length)
-    write_json(out, {"sae": str(cfg.sae_dir), "model": cfg.model.model, "hookpoint": hookpoint, **metrics})
+    write_json(out, {"sae": str(cfg.sae_dir), "model": source.model, "hookpoint": hookpoint, **metrics})
     about = (
         f"SAE {cfg.sae_dir} at {hookpoint} on {cfg.data.dataset}:{cfg.data.split} ({contexts.size:,} tokens)"
     )

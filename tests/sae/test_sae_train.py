@@ -246,6 +246,13 @@ def test_train_then_eval_command_on_the_saved_folder(tiny_model_dir, corpus, tmp
     assert main(again) == 2  # an earlier evaluation is a result: not silently replaced
     assert "--overwrite" in capsys.readouterr().err
     assert json.loads((tmp_path / "run" / "eval.json").read_text()) == saved
+    # without --model: the model cfg.json names (the one it was trained on), the same numbers
+    default = ["sae", "eval", str(tmp_path / "run"), "--dataset", str(corpus), "--eval_contexts", "6"]
+    assert main([*default, "--overwrite"]) == 0
+    assert json.loads((tmp_path / "run" / "eval.json").read_text()) == saved
+    # another model's activations (assay-tiny is 256 wide): one line naming both widths
+    assert main([*default, "--model", "assay-tiny", "--out", str(tmp_path / "other.json")]) == 2
+    assert "256-wide activations where the SAE has" in capsys.readouterr().err
 
 
 def test_transcoder_trains_from_an_mlp_input_to_its_output_and_splices_its_prediction(
