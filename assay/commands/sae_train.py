@@ -24,8 +24,8 @@ from assay.core.runs import (
     read_json,
 )
 from assay.sae.config import SaeTrainConfig
-from assay.sae.features import FEATURES_FILE, browse_sae_run
-from assay.sae.train import train_sae
+from assay.sae.features import FEATURES_FILE, browse_sae_runs
+from assay.sae.train import sae_specs, train_sae
 
 
 @dataclass
@@ -45,27 +45,35 @@ class SaeTrainCommandConfig(SaeTrainConfig):
             raise AssayError("--browser_latents must be >= 0 and --browser_examples positive")
 
 
-def write_feature_browser(cfg: SaeTrainConfig, latents: int = 32, examples: int = 200) -> Path | None:
-    """Compute the browser of the finished SAE run in cfg.out and write OUT/features.json (rank 0).
+def browser_files(cfg: SaeTrainConfig) -> list[Path]:
+    """OUT/features.json, or with several SAEs (--hookpoints, --sweep_*) one in each SAE's folder."""
+    return [Path(cfg.out) / name / FEATURES_FILE for name, _ in sae_specs(cfg)]
 
-    The SAE is trained and saved whatever happens here: a browser that cannot be made (e.g. the
+
+def write_feature_browser(cfg: SaeTrainConfig, latents: int = 32, examples: int = 200) -> list[Path]:
+    """Compute the browser of each SAE of the finished run in cfg.out and write its features.json
+    (rank 0); returns the files written.
+
+    The SAEs are trained and saved whatever happens here: a browser that cannot be made (e.g. the
     held-out split does not exist) is a note, and the report says the run has no features.json.
     """
     out = Path(cfg.out)
     if latents == 0 or not Distributed.current().is_main:
-        return None
+        return []
+    saes = [(sub, out / name) for name, sub in sae_specs(cfg)]
+    written = []
     try:
-        browser = browse_sae_run(cfg, out, latents, examples, cfg.runtime.device)
+        for (_, folder), browser in zip(saes, browse_sae_runs(saes, latents, examples, cfg.runtime.device)):
+            browser.save(folder / FEATURES_FILE)
+            written.append(folder / FEATURES_FILE)
+            live = int((browser.fired > 0).sum())
+            say(
+                f"feature browser: {len(browser.features)} latents on {browser.examples} held-out texts "
+                f"({live:,} of {len(browser.fired):,} latents fired) in {folder / FEATURES_FILE}"
+            )
     except AssayError as e:
         note(f"feature browser not written ({e}); the SAE itself is saved in {out}")
-        return None
-    browser.save(out / FEATURES_FILE)
-    live = int((browser.fired > 0).sum())
-    say(
-        f"feature browser: {len(browser.features)} latents on {browser.examples} held-out texts "
-        f"({live:,} of {len(browser.fired):,} latents fired) in {out / FEATURES_FILE}"
-    )
-    return out / FEATURES_FILE
+    return written
 
 
 def ensure_feature_browser(sae_dir: Path | str, latents: int = 32, examples: int = 200) -> Path | None:
@@ -77,14 +85,19 @@ def ensure_feature_browser(sae_dir: Path | str, latents: int = 32, examples: int
     saved = load_run_config(out)
     if saved.get("command") != "sae train" or not (out / DONE_FILE).exists():
         raise AssayError(f"{out} is not a finished `assay sae train` run")
-    return write_feature_browser(config_from_dict(SaeTrainConfig, saved["config"]), latents, examples)
+    cfg = config_from_dict(SaeTrainConfig, saved["config"])
+    files = browser_files(cfg)
+    if all(f.exists() for f in files):
+        return files[0]
+    written = write_feature_browser(cfg, latents, examples)
+    return written[0] if written else None
 
 
 def _browser_pending(cfg: SaeTrainCommandConfig) -> bool:
     """A finished run of this very config whose browser was never written (interrupted after the
     SAE was saved): rerunning the command writes the browser alone."""
     out = Path(cfg.out)
-    if cfg.overwrite or cfg.browser_latents == 0 or (out / FEATURES_FILE).exists():
+    if cfg.overwrite or cfg.browser_latents == 0 or all(f.exists() for f in browser_files(cfg)):
         return False
     if not (out / DONE_FILE).exists():
         return False

@@ -159,7 +159,13 @@ def kv_table(pairs: Iterable[tuple[str, Any]]) -> str:
 
 
 def h3(text: str, anchor: str = "") -> str:
-    return f"<h3{f' id={chr(34)}{esc(anchor)}{chr(34)}' if anchor else ''}>{esc(text)}</h3>"
+    return heading(text, 3, anchor)
+
+
+def heading(text: str, level: int, anchor: str = "") -> str:
+    """<hN> (optionally with an id to link to)."""
+    ident = f' id="{esc(anchor)}"' if anchor else ""
+    return f"<h{level}{ident}>{esc(text)}</h{level}>"
 
 
 def section_html(sec: Section) -> str:

@@ -226,26 +226,50 @@ def _which(pinned: int, sample: int) -> str:
     return first[0].upper() + first[1:]
 
 
-def sae_view(run: Run, opts: ViewOptions) -> h.Section:
-    """Metrics, curves and the feature browser; latents that score runs on the page attribute are
-    pinned to the top of the browser, linked both ways."""
+def sae_parts(run: Run) -> list[tuple[str, Run]]:
+    """(name, run) of each SAE in the folder: the run itself, or, for several SAEs from one pass
+    (--hookpoints, --sweep_d_sae, --sweep_k), each SAE's subfolder as a run at its own hookpoint."""
+    summary = run.json("summary.json") or {}
+    saes = summary.get("saes") if isinstance(summary.get("saes"), dict) else None
+    names = list(saes) if saes else [p.name for p in sorted(run.path.iterdir()) if (p / "cfg.json").is_file()]
+    if not names or (run.path / "cfg.json").is_file():
+        return [("", run)]
+    parts = []
+    for name in names:
+        hook = (saes or {}).get(name, {}).get("hookpoint") or name
+        config = {**run.config, "hookpoint": hook, "hookpoints": []}
+        parts.append((name, Run(run.path / name, run.command, config, run.done, run.version)))
+    return parts
+
+
+def _sae_body(run: Run, opts: ViewOptions, anchor: str, level: int = 3) -> str:
+    """One SAE's metric tiles, training curves and feature browser, under headings of `level`."""
     records = run.jsonl("metrics.jsonl")
-    body = unfinished_note(run)
     metrics = final_metrics(run, records)
     eval_json = run.json("eval.json") or {}
     metrics.update({f"eval/{k}": v for k, v in eval_json.items() if isinstance(v, int | float)})
-    body += metric_tiles(metrics)
-    body += h.h3("Training curves") + training_curves(records)
-    anchor = f"{h.slug(run.name)}-browser"
-    body += h.h3("Feature browser", anchor)
+    body = metric_tiles(metrics) + h.heading("Training curves", level) + training_curves(records)
+    body += h.heading("Feature browser", level, anchor)
     if opts.features > 0:
-        body += browser_html(run, opts)
-    else:
-        body += h.note_box("Feature browser hidden (--features 0).")
+        return body + browser_html(run, opts)
+    return body + h.note_box("Feature browser hidden (--features 0).")
+
+
+def sae_view(run: Run, opts: ViewOptions) -> h.Section:
+    """Metrics, curves and the feature browser (of each SAE, when the run trained several); latents
+    that score runs on the page attribute are pinned to the top of the browser, linked both ways."""
+    parts = sae_parts(run)
+    body, toc = unfinished_note(run), []
+    for name, part in parts:
+        anchor = f"{h.slug(run.name)}-{h.slug(name)}-browser" if name else f"{h.slug(run.name)}-browser"
+        if name:
+            body += h.heading(f"SAE {name}", 3)
+        body += _sae_body(part, opts, anchor, 4 if name else 3)
+        toc.append((anchor, f"Feature browser: {name}" if name else "Feature browser"))
     arch = config_get(run.config, "sae.architecture", "?")
-    subtitle = (
-        f"{arch} SAE at {run.config.get('hookpoint', '?')} of {config_get(run.config, 'model.model', '?')}"
-    )
+    hooks = ", ".join(dict.fromkeys(str(part.config.get("hookpoint", "?")) for _, part in parts))
+    count = f"{len(parts)} {arch} SAEs" if len(parts) > 1 else f"{arch} SAE"
+    subtitle = f"{count} at {hooks} of {config_get(run.config, 'model.model', '?')}"
     sec = h.Section(run.name, run.command, body + settings_block(run), subtitle=subtitle)
-    sec.toc = [(anchor, "Feature browser")]
+    sec.toc = toc
     return sec

@@ -17,6 +17,7 @@ layers are ignored), so it is meaningful for residual-stream hookpoints.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -376,19 +377,31 @@ def browse_sae_run(
 ) -> FeatureBrowser:  # fmt: skip
     """The browser of the SAE saved in `sae_dir` by an `assay sae train` run with config `cfg`: its
     model (fp32, as the SAE's activations were read) on its held-out texts."""
+    return next(browse_sae_runs([(cfg, sae_dir)], num_latents, num_examples, device, first))
+
+
+def browse_sae_runs(
+    saes: list[tuple[SaeTrainConfig, Path | str]], num_latents: int, num_examples: int,
+    device: str = "auto", first: tuple[int, ...] = (),
+) -> Iterator[FeatureBrowser]:  # fmt: skip
+    """`browse_sae_run` of each (config, folder) of one run's SAEs (--hookpoints, --sweep_*), the
+    model and held-out texts, which they share, loaded once."""
+    cfg = saes[0][0]
     policy = PrecisionPolicy.resolve("fp32", resolve_device(device))
     tokenizer = load_tokenizer(cfg.model)
     examples = held_out_examples(cfg, tokenizer, num_examples)
-    sae, _ = load_sae(sae_dir)
     model = load_model(cfg.model, policy, cfg.runtime.attention)
-    reader = LatentReader(model, sae, cfg.hookpoint, int(tokenizer.pad_token_id))
-    browser = browse(reader, tokenizer, examples, num_latents, first)
-    browser.source = {
-        "model": cfg.model.model,
-        "dataset": cfg.data.dataset,
-        "split": cfg.eval_split if held_out_data(cfg) is not None else "the file's last contexts",
-        "context_length": cfg.context_length,
-        "hookpoint": cfg.hookpoint,
-        "max_texts": num_examples,
-    }
-    return browser
+    split = cfg.eval_split if held_out_data(cfg) is not None else "the file's last contexts"
+    for sub, sae_dir in saes:
+        sae, _ = load_sae(sae_dir)
+        reader = LatentReader(model, sae, sub.hookpoint, int(tokenizer.pad_token_id))
+        browser = browse(reader, tokenizer, examples, num_latents, first)
+        browser.source = {
+            "model": cfg.model.model,
+            "dataset": cfg.data.dataset,
+            "split": split,
+            "context_length": cfg.context_length,
+            "hookpoint": sub.hookpoint,
+            "max_texts": num_examples,
+        }
+        yield browser

@@ -192,3 +192,27 @@ def test_sae_train_writes_the_browser_and_replays(tmp_path, tiny_model_dir, caps
         main(["sae", "train", "--help"])
     help_text = capsys.readouterr().out
     assert "--browser_latents" in help_text and "--browser_examples" in help_text and "--k" in help_text
+
+
+def test_several_saes_from_one_pass_each_get_a_browser_and_a_report_part(tmp_path, tiny_model_dir):
+    """--hookpoints: each SAE's folder gets its features.json (as that SAE trained alone would),
+    and `assay report` shows each SAE at its own hookpoint (not the default --hookpoint)."""
+    from assay.commands.sae_train import Config
+    from assay.core.runs import config_from_dict, load_run_config
+    from assay.sae.features import browse_sae_run
+
+    data = write_word_texts(tmp_path / "words.jsonl", 80, 24)
+    out = tmp_path / "multi"
+    args = [str(out), "--model", str(tiny_model_dir), "--dataset", str(data), *SAE_ARGS]
+    hooks = ["--hookpoints", "model.layers.0", "model.layers.1"]
+    assert main(["sae", "train", *args, *hooks, "--browser_latents", "3", "--browser_examples", "4"]) == 0
+    cfg = config_from_dict(Config, load_run_config(out)["config"])
+    for hook in ("model.layers.0", "model.layers.1"):
+        saved = FeatureBrowser.load(out / hook / FEATURES_FILE)
+        assert saved.source["hookpoint"] == hook and len(saved.features) == 3
+        one = dataclasses.replace(cfg, hookpoint=hook, hookpoints=[])
+        assert browse_sae_run(one, out / hook, 3, 4, "cpu").to_json() == saved.to_json()
+    assert main(["report", str(out), "-o", str(tmp_path / "r.html")]) == 0
+    page = (tmp_path / "r.html").read_text()
+    assert "2 topk SAEs at model.layers.0, model.layers.1" in page
+    assert 'id="multi-model-layers-1-browser"' in page and "No feature browser" not in page
