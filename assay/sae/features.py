@@ -17,7 +17,7 @@ layers are ignored), so it is meaningful for residual-stream hookpoints.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -381,7 +381,7 @@ def browse_sae_run(
 
 
 def browse_sae_runs(
-    saes: list[tuple[SaeTrainConfig, Path | str]], num_latents: int, num_examples: int,
+    saes: Sequence[tuple[SaeTrainConfig, Path | str]], num_latents: int, num_examples: int,
     device: str = "auto", first: tuple[int, ...] = (),
 ) -> Iterator[FeatureBrowser]:  # fmt: skip
     """`browse_sae_run` of each (config, folder) of one run's SAEs (--hookpoints, --sweep_*), the
