@@ -64,6 +64,7 @@ from assay.lm.lean import keep_compute_casts
 from assay.lm.queries import Queries, load_queries
 from assay.sae.config import SaeTrainConfig
 from assay.sae.features import FEATURES_FILE, FeatureBrowser, browse_sae_run, token_text
+from assay.sae.train import sae_specs
 from assay.training.finetune import FinetuneConfig
 
 TEXTS_FILE = "texts.jsonl"
@@ -410,11 +411,8 @@ def latent_feature(sae_dir: str, latent: int, device: str) -> tuple[dict | None,
     a finished `assay sae train` run has no held-out texts to read.
     """
     folder = Path(sae_dir)
-    try:
-        saved = load_run_config(folder)
-    except AssayError:
-        saved = {}
-    if saved.get("command") != "sae train" or not (folder / DONE_FILE).exists():
+    cfg = _sae_run_config(folder)
+    if cfg is None:
         return None, f"{sae_dir} is not a finished `assay sae train` run: no held-out texts to read", {}
     browser = None
     if (folder / FEATURES_FILE).exists():
@@ -424,11 +422,24 @@ def latent_feature(sae_dir: str, latent: int, device: str) -> tuple[dict | None,
             return found.to_json(), "", _sample_of(browser)
     texts = int((browser.source.get("max_texts") if browser else None) or BROWSER_TEXTS)
     try:
-        cfg = config_from_dict(SaeTrainConfig, saved["config"])
         computed = browse_sae_run(cfg, folder, 0, texts, device, first=(latent,))
     except AssayError as e:
         return None, str(e), {}
     return computed.features[0].to_json(), "", _sample_of(computed)
+
+
+def _sae_run_config(folder: Path) -> SaeTrainConfig | None:
+    """The config of the finished `assay sae train` run whose SAE is in `folder`: the run's own, or,
+    for one SAE of several trained in one pass (a subfolder), the run's for that SAE alone."""
+    for run, name in ((folder, ""), (folder.parent, folder.name)):
+        try:
+            saved = load_run_config(run)
+        except AssayError:
+            continue
+        if saved.get("command") == "sae train" and (run / DONE_FILE).exists():
+            specs = dict(sae_specs(config_from_dict(SaeTrainConfig, saved["config"])))
+            return specs.get(name)
+    return None
 
 
 def _sample_of(browser: FeatureBrowser) -> dict[str, Any]:

@@ -198,6 +198,7 @@ def test_several_saes_from_one_pass_each_get_a_browser_and_a_report_part(tmp_pat
     """--hookpoints: each SAE's folder gets its features.json (as that SAE trained alone would),
     and `assay report` shows each SAE at its own hookpoint (not the default --hookpoint)."""
     from assay.commands.sae_train import Config
+    from assay.commands.score import latent_feature
     from assay.core.runs import config_from_dict, load_run_config
     from assay.sae.features import browse_sae_run
 
@@ -212,6 +213,9 @@ def test_several_saes_from_one_pass_each_get_a_browser_and_a_report_part(tmp_pat
         assert saved.source["hookpoint"] == hook and len(saved.features) == 3
         one = dataclasses.replace(cfg, hookpoint=hook, hookpoints=[])
         assert browse_sae_run(one, out / hook, 3, 4, "cpu").to_json() == saved.to_json()
+        # a latent of one of them attributed (`assay score --query_sae OUT/HOOK`): its record, its texts
+        record, why, sample = latent_feature(str(out / hook), 0, "cpu")
+        assert record is not None and not why and sample["hookpoint"] == hook
     assert main(["report", str(out), "-o", str(tmp_path / "r.html")]) == 0
     page = (tmp_path / "r.html").read_text()
     assert "2 topk SAEs at model.layers.0, model.layers.1" in page
