@@ -88,8 +88,8 @@ def inverse_sqrt(moment: torch.Tensor) -> torch.Tensor:
     Eigenvalues are clamped at a tiny positive floor first (rounding can make a PSD matrix
     slightly indefinite; with --damping 0 a singular R stays finite).
     """
-    if not bool(moment.any()):
-        return torch.zeros_like(moment, dtype=LINALG_DTYPE)  # see `silent`
+    if silent(moment):
+        return torch.zeros_like(moment, dtype=LINALG_DTYPE)
     with single_thread():
         vals, vecs = torch.linalg.eigh(moment.to(LINALG_DTYPE))
     floor = max(float(vals.max()) * 1e-12, torch.finfo(LINALG_DTYPE).tiny)
