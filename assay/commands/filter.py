@@ -6,15 +6,18 @@ from typing import Any
 
 from assay.core.console import say
 from assay.selection.filter import FilterConfig, select
+from assay.selection.strategies import STRATEGIES
 
 Config = FilterConfig
 
 
 def run(cfg: FilterConfig) -> dict[str, Any]:
     summary = select(cfg)
-    tail = "lowest" if cfg.lowest else "highest"
+    how = "coverage"  # facility, kcenter, balanced, typiclust rank nothing
+    if STRATEGIES[cfg.strategy].kind == "score":
+        how = f"{'lowest' if cfg.lowest else 'highest'} scores"
     say(
         f"{cfg.out}: kept {summary['num_selected']} of {summary['pool_size']} examples "
-        f"({cfg.strategy}, query {cfg.query}, {tail} scores)"
+        f"({cfg.strategy}, query {cfg.query}, {how})"
     )
     return summary
