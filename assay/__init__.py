@@ -9,7 +9,7 @@ The notebook entry points (`import assay`), each also reachable from its module:
     factors = assay.fit_kfac(model, batches, loss_fn, kind="ekfac")
     scores = assay.kfac_influence(model, train_batches, query_batches, loss_fn)  # [Q, N], any torch model
     lds = assay.linear_datamodel_score(scores, masks, outputs)
-    sae, meta = assay.load_sae("runs/sae/sae")
+    sae, meta = assay.load_sae("runs/sae")                                  # an `assay sae train` OUT
 
 Names are imported on first use, so `import assay` stays instant.
 """

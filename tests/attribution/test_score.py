@@ -82,6 +82,25 @@ def test_query_gradients_equal_index_rows(setup):
     np.testing.assert_allclose(grads.numpy(), rows, rtol=1e-4, atol=1e-6 * np.abs(rows).max())
 
 
+def test_the_python_route_of_docs_attribution_md(setup):
+    """docs/attribution.md's "From Python" snippet for an index, as written there: the planted
+    near-duplicate of the query is its first proponent."""
+    import assay
+    from assay.attribution.build import setup_from_index
+    from assay.attribution.score import query_gradients
+    from assay.lm.queries import load_queries
+
+    root, _, _, query = setup
+    index = assay.open_index(root / "index")
+    gradient_setup = setup_from_index(index)
+    queries = load_queries(
+        QueryConfig(query_text=(query,)), index.meta["data"]["max_length"], gradient_setup.tokenizer
+    )
+    grads = query_gradients(gradient_setup, queries.examples, 2048)
+    top, _ = assay.score_index(index, grads, assay.ScoreOptions(mode="trackstar", top_k=5))
+    assert index.ids[top.top_rows[0].numpy()][0] == NUM_TUNES
+
+
 def test_planted_near_duplicate_is_top_proponent(setup):
     root, _, _, query = setup
     for mode in ("trackstar", "cosine"):
