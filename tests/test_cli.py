@@ -37,7 +37,7 @@ def test_command_help_documents_flags_from_docstrings(capsys):
         (["eval", "o", "--dataset", "DATA", "--text_column", "body"], "no column 'body'"),
         (
             ["eval", "o", "--dataset", "DATA", "--filter_column", "group", "--filter_value", "x"],
-            "no examples",
+            "no row whose 'group' is 'x'",
         ),
         (["eval", "o", "--model", "./no-such-model"], "'./no-such-model': no such folder"),
         (["eval", "o", "--dataset", "DATA", "--completion_column", "c"], "--prompt_column"),

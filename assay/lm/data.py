@@ -32,15 +32,30 @@ def load_table(cfg: DataConfig) -> Table:
     table = _load_split(cfg)
     table = table.with_column(ID_COLUMN, list(range(len(table))))
     if cfg.filter_column is not None:
-        _require_columns(table, [cfg.filter_column], cfg.dataset)
-        column = table[cfg.filter_column]
-        table = table.select([i for i, v in enumerate(column) if str(v) == cfg.filter_value])
+        table = _filtered(table, cfg)
     if cfg.max_samples is not None:
         table = table.select(_sample(len(table), cfg.max_samples, cfg.sample_seed))
     if len(table) == 0:
         raise AssayError(f"dataset {cfg.dataset!r} (split {cfg.split!r}) has no examples left")
     _require_columns(table, _text_columns(cfg), cfg.dataset)
     return table
+
+
+def _filtered(table: Table, cfg: DataConfig) -> Table:
+    """The rows whose --filter_column is --filter_value; none is one line naming what there is."""
+    assert cfg.filter_column is not None
+    _require_columns(table, [cfg.filter_column], cfg.dataset)
+    column = [str(v) for v in table[cfg.filter_column]]
+    kept = table.select([i for i, v in enumerate(column) if v == cfg.filter_value])
+    if len(kept) == 0 and column:
+        values = sorted(set(column))
+        shown = ", ".join(repr(v if len(v) <= 30 else v[:27] + "...") for v in values[:8])
+        more = f" ({len(values)} distinct)" if len(values) > 8 else ""
+        raise AssayError(
+            f"dataset {cfg.dataset!r} (split {cfg.split!r}) has no row whose {cfg.filter_column!r} is "
+            f"{cfg.filter_value!r}; its values: {shown}{more}"
+        )
+    return kept
 
 
 def _text_columns(cfg: DataConfig) -> list[str]:

@@ -66,7 +66,7 @@ def test_tokenizer_and_projection_mismatch_are_refused(built):
 
 def test_empty_queries_are_refused(built, capsys):
     root, _, data = built
-    with pytest.raises(AssayError, match="no examples left"):
+    with pytest.raises(AssayError, match="no row whose 'text' is 'nothing'"):
         run_score(_score_cfg(root, data, query_filter_column="text", query_filter_value="nothing"))
     with pytest.raises(AssayError, match="--query_dataset"):
         ScoreConfig(out=str(root / "o"), index=str(root / "index"))

@@ -52,7 +52,7 @@ def test_missing_file_unknown_column_and_empty_dataset(tmp_path, texts_jsonl):
         load_table(DataConfig(dataset=str(tmp_path / "missing.jsonl")))
     with pytest.raises(AssayError, match=r"no column 'body'; available: text, prompt, completion, group"):
         load_table(DataConfig(dataset=str(texts_jsonl), text_column="body"))
-    with pytest.raises(AssayError, match="no examples"):
+    with pytest.raises(AssayError, match="no row whose 'group' is 'nope'; its values: 'g0', 'g1'$"):
         load_table(DataConfig(dataset=str(texts_jsonl), filter_column="group", filter_value="nope"))
     (tmp_path / "empty.jsonl").write_text("")
     with pytest.raises(AssayError):
