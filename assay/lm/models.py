@@ -81,6 +81,17 @@ def resolve_model_path(name: str) -> str:
     return name
 
 
+def name_adapter_base(folder: Path, model: str) -> None:
+    """Record an adapter's base by its alias (`assay-tiny`, `smollm2-135m`) where it was trained on
+    one: peft writes the folder the alias resolved to here, which another checkout or machine
+    does not have, and `load_model` resolves the alias wherever it runs."""
+    adapter_cfg = folder / "adapter_config.json"
+    if model in ALIASES and adapter_cfg.exists():
+        config = json.loads(adapter_cfg.read_text())
+        config["base_model_name_or_path"] = model
+        adapter_cfg.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
 def load_tokenizer(cfg: ModelSource) -> Any:
     """The tokenizer, with a pad token (the eos token when the model has none)."""
     from transformers import AutoTokenizer  # lazy: heavy; loaded ahead by `assay` itself

@@ -32,7 +32,14 @@ from assay.core.precision import PrecisionPolicy, check_finite
 from assay.core.progress import Progress
 from assay.core.runs import check_inputs, config_to_dict, run_folder, write_json
 from assay.lm.data import Examples, examples_fingerprint, load_examples, tokenizer_fingerprint
-from assay.lm.models import load_model, load_sharded_model, load_tokenizer, model_fingerprint, setup_runtime
+from assay.lm.models import (
+    load_model,
+    load_sharded_model,
+    load_tokenizer,
+    model_fingerprint,
+    name_adapter_base,
+    setup_runtime,
+)
 from assay.training import checkpoint as ckpt
 from assay.training.metrics import MetricsLog, start_wandb
 from assay.training.recipe import TrainRecipe
@@ -304,6 +311,7 @@ def save_outputs(trainer: Trainer, folder: Path, tokenizer: Any) -> None:
         return
     model.save_pretrained(folder / "model", safe_serialization=True, state_dict=weights)
     tokenizer.save_pretrained(folder / "model")
+    name_adapter_base(folder / "model", trainer.cfg.model.model)
     write_plan(folder / ORDER_FILE, trainer.data.plan)
 
 

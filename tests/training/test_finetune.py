@@ -259,3 +259,18 @@ def test_selection_files_and_bad_input(tmp_path, tiny_model_dir, data_jsonl):
     cfg = make_cfg(tmp_path / "x", tiny_model_dir, data_jsonl, selection=str(tmp_path / "far.txt"))
     with pytest.raises(AssayError, match="not in this dataset"):
         ft.finetune(cfg)
+
+
+def test_an_adapter_of_a_bundled_model_names_its_base_by_alias(tmp_path, data_jsonl):
+    """peft records the folder `assay-tiny` resolved to; the run records the alias, which loads in
+    any checkout (the folder would not)."""
+    from assay.lm.models import load_model
+
+    out = tmp_path / "lora"
+    ft.finetune(make_cfg(out, "assay-tiny", data_jsonl, lora_rank=2, max_steps=1))
+    config = json.loads((out / "model" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == "assay-tiny"
+    reloaded = load_model(ModelConfig(model=str(out / "model")), PrecisionPolicy.resolve("fp32", "cpu"))
+    saved = weights(out / "model")
+    state = {k.replace(".default", ""): v for k, v in reloaded.state_dict().items() if "lora_" in k}
+    assert saved and all(torch.equal(state[k], v) for k, v in saved.items())
