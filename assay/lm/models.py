@@ -203,22 +203,29 @@ def attach_adapter(model: Any, cfg: ModelSource) -> Any:
     return model
 
 
-FINGERPRINT_VERSION = 3
+FINGERPRINT_VERSION = 4
 """1: config, names, shapes and each tensor's sum (indexes built before version 2 recorded it);
 2: the bytes of every parameter through one sha256 stream (`sequential_fingerprint`);
-3: the same bytes, hashed in 1 MiB pieces on every thread (`model_fingerprint`)."""
+3: the same bytes, hashed in 1 MiB pieces on every thread (`model_fingerprint`);
+4: as 3, without the config's RUNTIME_CONFIG_KEYS."""
 STRICT_FINGERPRINT = 2
 """The first version that reads every byte (a permuted row or a flipped bit changes it)."""
 LOCAL_CONFIG_KEYS = ("_name_or_path", "transformers_version")
 """Config entries that say where and by which library a model was loaded, not what it is."""
+RUNTIME_CONFIG_KEYS = ("use_cache", "bos_token_id", "eos_token_id", "pad_token_id")
+"""Config entries for generation, not for what a forward computes (left out from version 4 on).
+transformers' Trainer rewrites them while it trains (use_cache off, the special token ids set to
+its tokenizer's), and a LoRA adapter saved then loads back with its base model's config, so an
+index collected during training (assay.integrations) recorded a fingerprint its own saved model
+could never match."""
 HASH_PIECE = 1 << 20
 """Bytes per separately hashed piece of a weight (version 3): small enough to spread a model of
 many small matrices over the threads, large enough that the pool's per-task cost is noise."""
 
 
-def _config_hash(model: Any) -> Any:
+def _config_hash(model: Any, version: int = FINGERPRINT_VERSION) -> Any:
     config = json.loads(model.config.to_json_string(use_diff=False))
-    for key in LOCAL_CONFIG_KEYS:
+    for key in LOCAL_CONFIG_KEYS + (RUNTIME_CONFIG_KEYS if version >= 4 else ()):
         config.pop(key, None)
     return hashlib.sha256(json.dumps(config, sort_keys=True).encode())
 
@@ -237,7 +244,7 @@ def _weight_bytes(model: Any) -> Iterator[tuple[bytes, Any, bool]]:
         yield f"|{name}|{tuple(whole.shape)}|{whole.dtype}|".encode(), tensor_bytes(whole), copied
 
 
-def model_fingerprint(model: Any, piece: int = HASH_PIECE) -> str:
+def model_fingerprint(model: Any, piece: int = HASH_PIECE, version: int = FINGERPRINT_VERSION) -> str:
     """A short hash of the architecture and of the bytes of every parameter: any change to any
     weight (a permuted row, one flipped bit) changes it; moving the folder or upgrading
     transformers does not.
@@ -247,8 +254,9 @@ def model_fingerprint(model: Any, piece: int = HASH_PIECE) -> str:
     into `piece`-byte pieces hashed on torch's threads at once, and the fingerprint is the hash of
     the names and the pieces' digests in order: one read of the weights, split over the cores
     (SmolLM2-135M in fp32: about 0.25 s on 2 cores, where one sha256 stream takes 0.5 s).
+    `version` 3 hashes the config's RUNTIME_CONFIG_KEYS too (what indexes of version 3 recorded).
     """
-    h = _config_hash(model)
+    h = _config_hash(model, version)
     parts: list[bytes | Future[bytes]] = []
     with torch.no_grad(), ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
         for header, values, copied in _weight_bytes(model):
@@ -265,7 +273,7 @@ def model_fingerprint(model: Any, piece: int = HASH_PIECE) -> str:
 def sequential_fingerprint(model: Any) -> str:
     """The version-2 fingerprint: the same bytes as version 3 through one sha256 stream (what
     indexes built with version 2 recorded)."""
-    h = _config_hash(model)
+    h = _config_hash(model, 2)
     with torch.no_grad():
         for header, values, _ in _weight_bytes(model):
             h.update(header)
@@ -287,7 +295,7 @@ def legacy_fingerprint(model: Any) -> str:
 def fingerprint_as(model: Any, version: int) -> str:
     """The model's fingerprint of the given version (what a saved record holds)."""
     if version >= 3:
-        return model_fingerprint(model)
+        return model_fingerprint(model, version=version)
     return sequential_fingerprint(model) if version == 2 else legacy_fingerprint(model)
 
 

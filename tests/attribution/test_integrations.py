@@ -49,11 +49,18 @@ def _collator(pad_id: int):
 
 
 def train(
-    root: Path, tokenizer, max_steps: int, save_steps: int, normalizer: str | None = None
+    root: Path,
+    tokenizer,
+    max_steps: int,
+    save_steps: int,
+    normalizer: str | None = None,
+    lora: Path | None = None,
 ) -> GradientCallback:
     """A Trainer run (2 micro-batches of 3 per step and rank, AdamW, checkpoints every `save_steps`)
-    with the callback on its checkpoints' steps (its normalizer: the default, or `normalizer`)."""
-    from transformers import Trainer, TrainingArguments
+    with the callback on its checkpoints' steps (its normalizer: the default, or `normalizer`); with
+    `lora` (a model folder), of a LoRA adapter on every linear layer of that model."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
     data = [{"input_ids": _encode(tokenizer, t)} for t in _texts()]
     args = TrainingArguments(
@@ -65,8 +72,12 @@ def train(
     if normalizer is not None:
         config.normalizer = normalizer  # type: ignore[assignment]
     callback = GradientCallback(root / "grads", config=config)
+    model = tiny_llama(vocab_size=len(tokenizer))
+    if lora is not None:  # from a folder: the adapter records where its base is
+        base = AutoModelForCausalLM.from_pretrained(lora)
+        model = get_peft_model(base, LoraConfig(r=2, target_modules="all-linear", lora_dropout=0.0))
     trainer = Trainer(
-        model=tiny_llama(vocab_size=len(tokenizer)), args=args, train_dataset=data,
+        model=model, args=args, train_dataset=data,
         data_collator=_collator(tokenizer.pad_token_id), processing_class=tokenizer, callbacks=[callback],
     )  # fmt: skip
     trainer.train()
@@ -126,6 +137,17 @@ def test_an_index_written_during_training_is_scored(trained, tmp_path):
     top = json.loads((out / "top.jsonl").read_text().splitlines()[0])
     texts = [json.loads(line) for line in (out / "texts.jsonl").read_text().splitlines()]
     assert len(top["proponents"]) == 3 and all(t["text"] for t in texts)
+
+
+def test_a_lora_trainer_step_equals_assay_build_of_its_checkpoint(tmp_path, tiny_tokenizer, tiny_model_dir):
+    """A LoRA adapter's index (the Trainer turns use_cache off while it trains; the adapter copy
+    loads with its base's config) matches its own saved model, and `assay build` of the adapter
+    checkpoint, and is scored."""
+    train(tmp_path, tiny_tokenizer, max_steps=3, save_steps=2, lora=tiny_model_dir)
+    assert_rows_equal_assay_build(tmp_path, step=2, examples=6, normalizer="adafactor")
+    out = tmp_path / "s"
+    index = ["--index", str(tmp_path / "grads" / "step-2"), "--query_text", "the king and a folk tune"]
+    assert main(["score", str(out), *index, "--top_k", "3"]) == 0
 
 
 def test_a_plain_loop_step_equals_assay_build(tmp_path, tiny_tokenizer):

@@ -209,3 +209,17 @@ def test_default_lora_on_llama_is_the_adapter_of_its_named_projections(tiny_mode
     named = load_model(ModelConfig(model=str(tiny_model_dir), lora_rank=2, lora_modules=names), FP32)
     assert _lora_targets(default) == set(names)
     assert model_fingerprint(default) == model_fingerprint(named)
+
+
+def test_fingerprint_leaves_out_what_a_trainer_rewrites_in_the_config(tiny_model_dir):
+    """use_cache and the special token ids (a Trainer sets them while it trains) do not change
+    version 4; version 3, what older indexes recorded, still reads them; any weight still does."""
+    from assay.lm.models import fingerprint_as
+
+    model = load_model(ModelConfig(model=str(tiny_model_dir)), FP32)
+    v4, v3 = model_fingerprint(model), fingerprint_as(model, 3)
+    model.config.use_cache, model.config.pad_token_id = not model.config.use_cache, 7
+    assert model_fingerprint(model) == v4 and fingerprint_as(model, 3) != v3
+    with torch.no_grad():
+        model.model.norm.weight[0] += 1
+    assert model_fingerprint(model) != v4
