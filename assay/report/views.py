@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from assay.report import coreset, index_view, sae, scores, training
+from assay.report import coreset, index_view, sae, scores, selection, training
 from assay.report import html as h
 from assay.report.common import ViewOptions
 from assay.report.runs import Run
@@ -30,6 +30,7 @@ VIEWS: dict[str, View] = {
     "build": _plain(index_view.build_section),
     "score": scores.score_view,
     "coreset": _plain(coreset.coreset_section),
+    "filter": _plain(selection.filter_section),
     "sae train": sae.sae_view,
     "sae eval": sae.sae_view,
     "sae": sae.sae_view,

@@ -26,13 +26,13 @@ import tyro
 
 from assay.attribution.build import BuildConfig, build_index, setup_from_index
 from assay.attribution.index import GradientIndex, open_index
-from assay.attribution.score import ScoreOptions, check_compatible, query_gradients, score_index
+from assay.attribution.score import ScoreOptions, check_compatible, query_gradients, score_index, train_texts
 from assay.core.config import DataConfig, ModelConfig, QueryConfig, RuntimeConfig
 from assay.core.console import note
 from assay.core.distributed import Distributed
 from assay.core.errors import AssayError
 from assay.core.runs import run_folder, write_json, write_jsonl
-from assay.lm.data import ID_COLUMN, load_table
+from assay.lm.data import ID_COLUMN, load_table, texts_of
 from assay.lm.queries import load_queries
 from assay.selection.coverage import DedupOptions, deduplicate
 from assay.selection.coverage import select as cover
@@ -254,6 +254,26 @@ def _require_finite(scores: np.ndarray, name: str) -> None:
         raise AssayError(f"{name} produced non-finite scores; check the model and the index")
 
 
+REPORT_TEXTS = 50
+"""Selected examples whose texts texts.jsonl keeps, in rank order (what `assay report` lists)."""
+
+
+def write_selected_texts(
+    folder: Path, data: DataConfig, index: GradientIndex | None, ids: np.ndarray, chosen: Selection
+) -> None:
+    """texts.jsonl: {id, text} of the first REPORT_TEXTS selected examples, read from the index's
+    own datasets (or the pool's, without an index): the report reads run folders only."""
+    first = [int(ids[p]) for p in chosen.positions[:REPORT_TEXTS]]
+    if index is not None:
+        texts = train_texts(index, set(first))
+    else:
+        table = load_table(data)
+        row_of = {int(i): r for r, i in enumerate(table[ID_COLUMN])}
+        rows = table.select([row_of[i] for i in first])
+        texts = dict(zip(first, texts_of(rows, data)))
+    write_jsonl(folder / "texts.jsonl", [{"id": i, "text": texts[i]} for i in first if i in texts])
+
+
 def write_selection(folder: Path, ids: np.ndarray, scores: np.ndarray, chosen: Selection) -> None:
     """selection.jsonl (rank order; with each example's weight when the strategy gives one),
     selected_ids.txt, and every pool score (ids.npy, scores.npy)."""
@@ -277,10 +297,12 @@ def select(cfg: FilterConfig) -> dict[str, Any]:
         ids, scores, chosen = dist.main_only(choose, cfg, index, run.path)
         if dist.is_main:
             write_selection(run.path, ids, scores, chosen)
+            write_selected_texts(run.path, cfg.data, index, ids, chosen)
         picked = scores[chosen.positions]
         facts = {k: v for k, v in chosen.details.items() if isinstance(v, int | float | str)}
         summary = {
-            "strategy": cfg.strategy, "query": cfg.query, "lowest": cfg.lowest,
+            "strategy": cfg.strategy, "kind": STRATEGIES[cfg.strategy].kind, "query": cfg.query,
+            "lowest": cfg.lowest,
             "num_selected": int(len(chosen.positions)), "pool_size": len(ids),
             "score_range": [float(picked.min()), float(picked.max())], "weighted": chosen.weights is not None,
             **({"index": str(index.path), "precision": index.meta["precision"]} if index is not None else {}),

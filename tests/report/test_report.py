@@ -356,3 +356,18 @@ def test_score_writes_the_training_texts_it_lists(runs):
     for r in rows:
         assert r["text"] == (TEXTS * 3)[r["id"]]
         np.testing.assert_allclose(r["loss"], losses[np.flatnonzero(ids == r["id"])[0]], rtol=1e-6)
+
+
+def test_a_filter_run_shows_what_it_kept(runs, tmp_path):
+    """`assay filter`'s section: the kept share, the pool's scores, the kept examples with their
+    texts (texts.jsonl, written by the filter run: the report reads run folders only)."""
+    out = tmp_path / "kept"
+    args = ["filter", str(out), "--strategy", "trackstar", "--index", str(runs["idx"]), "--query", "self"]
+    assert main([*args, "--num_examples", "3"]) == 0  # the pool's texts come from the index's data
+    kept = [json.loads(line) for line in (out / "selection.jsonl").read_text().splitlines()]
+    texts = {r["id"]: r["text"] for r in map(json.loads, (out / "texts.jsonl").read_text().splitlines())}
+    assert [r["id"] for r in kept] == list(texts)  # rank order, every kept example's text
+    assert main(["report", str(out), "-o", str(tmp_path / "r.html")]) == 0
+    page = (tmp_path / "r.html").read_text()
+    assert "trackstar (score), query self" in page and "The first 20 kept examples" in page
+    assert html.escape(texts[kept[0]["id"]].splitlines()[0]) in page
