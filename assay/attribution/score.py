@@ -297,11 +297,11 @@ def train_texts(index: GradientIndex, ids: set[int]) -> dict[int, str]:
         start, stop = seg["rows"]
         mine = {i for i in ids if start <= row_of.get(i, -1) < stop or (k == 0 and i not in row_of)}
         if mine:
-            texts.update(_dataset_texts(DataConfig(**seg["data"]), mine, int(seg["id_offset"])))
+            texts.update(dataset_texts(DataConfig(**seg["data"]), mine, int(seg["id_offset"])))
     return texts
 
 
-def _dataset_texts(data_cfg: DataConfig, ids: set[int], offset: int) -> dict[int, str]:
+def dataset_texts(data_cfg: DataConfig, ids: set[int], offset: int = 0) -> dict[int, str]:
     """{id: text} of the examples whose source row id plus `offset` is in `ids`."""
     try:
         table = load_table(data_cfg)

@@ -287,10 +287,11 @@ def replay_score(cfg: ScoreConfig) -> tuple[dict[str, Any], list[dict], dict[Any
     scores = _metagradient_columns(cfg, replayed, queries)
     seconds = time.perf_counter() - start
     ids = np.asarray(replayed.train.ids)
-    top = RunningTop(scores.shape[0], cfg.options.top_k)
-    top.update(torch.from_numpy(scores.astype(np.float32)), 0)
-    warn_non_finite(top.result(), ids, str(cfg.finetune), "their metagradients overflowed")
-    records = top_records(ids, queries.ids, top.result(), cfg.options.aggregate)
+    running = RunningTop(scores.shape[0], cfg.options.top_k)
+    running.update(torch.from_numpy(scores.astype(np.float32)), 0)
+    top = running.result()
+    warn_non_finite(top, ids, str(cfg.finetune), "their metagradients overflowed")
+    records = top_records(ids, queries.ids, top, cfg.options.aggregate)
     listed = {int(p) for r in records for p, _ in r["proponents"] + r["opponents"]}
     texts = texts_by_id(replayed_data(cfg.finetune), listed)
     summary = {

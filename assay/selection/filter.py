@@ -26,13 +26,20 @@ import tyro
 
 from assay.attribution.build import BuildConfig, build_index, setup_from_index
 from assay.attribution.index import GradientIndex, open_index
-from assay.attribution.score import ScoreOptions, check_compatible, query_gradients, score_index, train_texts
+from assay.attribution.score import (
+    ScoreOptions,
+    check_compatible,
+    dataset_texts,
+    query_gradients,
+    score_index,
+    train_texts,
+)
 from assay.core.config import DataConfig, ModelConfig, QueryConfig, RuntimeConfig
 from assay.core.console import note
 from assay.core.distributed import Distributed
 from assay.core.errors import AssayError
 from assay.core.runs import run_folder, write_json, write_jsonl
-from assay.lm.data import ID_COLUMN, load_table, texts_of
+from assay.lm.data import ID_COLUMN, load_table
 from assay.lm.queries import load_queries
 from assay.selection.coverage import DedupOptions, deduplicate
 from assay.selection.coverage import select as cover
@@ -264,13 +271,7 @@ def write_selected_texts(
     """texts.jsonl: {id, text} of the first REPORT_TEXTS selected examples, read from the index's
     own datasets (or the pool's, without an index): the report reads run folders only."""
     first = [int(ids[p]) for p in chosen.positions[:REPORT_TEXTS]]
-    if index is not None:
-        texts = train_texts(index, set(first))
-    else:
-        table = load_table(data)
-        row_of = {int(i): r for r, i in enumerate(table[ID_COLUMN])}
-        rows = table.select([row_of[i] for i in first])
-        texts = dict(zip(first, texts_of(rows, data)))
+    texts = train_texts(index, set(first)) if index is not None else dataset_texts(data, set(first))
     write_jsonl(folder / "texts.jsonl", [{"id": i, "text": texts[i]} for i in first if i in texts])
 
 
