@@ -85,10 +85,25 @@ def parse(name: str, args: Sequence[str]) -> tuple[Any, Callable[[Any], Any]]:
 
 
 def usage_error(text: str, name: str) -> str:
-    """tyro's boxed usage error as one line: its message, then where the full help is."""
-    lines = [ln.strip(" │╭╮╰╯─") for ln in text.splitlines() if not ln.lstrip().startswith("╭")]  # title
-    words = " ".join(ln for ln in lines if ln and not ln.startswith("For full helptext"))
-    words = " ".join(words.split()) or "invalid arguments"
+    """tyro's boxed usage error as one line: its message and the flags it names (a typo's
+    suggestions, a missing argument) without their help texts, then where the full help is."""
+    lines = [raw for raw in text.splitlines() if raw.strip()]
+    sections: list[list[str]] = [[]]
+    for raw in lines[1:] if len(lines) > 1 else lines:  # the first: the box's title (top or above a rule)
+        line = raw.rstrip().removesuffix("│").removeprefix("│").rstrip()  # indentation kept
+        content = line.lstrip()
+        if not content or content.startswith("╰"):
+            continue  # the box's bottom
+        if set(content) <= {"─", "-"}:
+            sections.append([])  # a rule between the box's sections (ASCII where not UTF-8)
+        elif len(line) - len(content) < 8:  # deeper lines are a flag's help text
+            sections[-1].append(content)
+    kept = [
+        " ".join(section)
+        for section in sections
+        if section and not section[0].startswith(("For full helptext", "Argument helptext"))
+    ]
+    words = " ".join("; ".join(kept).split()) or "invalid arguments"
     return f"{words} (see `assay {name} --help`)"
 
 

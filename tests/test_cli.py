@@ -56,6 +56,19 @@ def test_bad_input_is_one_clear_line(capsys, tmp_path, texts_jsonl, tiny_model_d
     assert "Traceback" not in err
 
 
+def test_usage_errors_name_the_flags_without_their_help(capsys):
+    code, _, err = _run(capsys, "eval", "o", "--max_sample", "3")
+    line = err.strip().splitlines()[-1]
+    assert code == 2 and "Perhaps you meant: --max_samples" in line
+    assert "Keep only the first" not in line  # the suggestion's help text stays in --help
+    code, _, err = _run(capsys, "eval", "o", "--token_batch_size", "abc")
+    line = err.strip().splitlines()[-1]
+    assert code == 2 and "--token_batch_size" in line and "forward batch" not in line
+    code, _, err = _run(capsys, "eval", "--model", "m")
+    line = err.strip().splitlines()[-1]
+    assert code == 2 and line.startswith("assay eval: error: Missing from assay eval: OUT (see")
+
+
 def test_unknown_precision_exits_nonzero_without_traceback(tmp_path, texts_jsonl):
     proc = subprocess.run(
         [sys.executable, "-m", "assay", "eval", str(tmp_path / "o"), "--precision", "fp8"],
