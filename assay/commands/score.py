@@ -130,15 +130,19 @@ class ScoreConfig:
     """Replace a finished run in OUT."""
 
     def __post_init__(self) -> None:
-        sources = (self.index, self.finetune, self.corpus.model)
-        if sum(source is not None for source in sources) != 1:
+        sources = {"--index": self.index, "--finetune": self.finetune, "--model": self.corpus.model}
+        given = [flag for flag, source in sources.items() if source is not None]
+        if len(given) != 1:
+            clash = f"{' and '.join(given)} are different sources of the training examples; " if given else ""
+            if "--model" in given and "--finetune" not in given:
+                clash += "an index's queries use the model it was built with; "
             raise AssayError(
-                "give one of --index INDEX (gradient scores), --finetune RUN (metagradients) and "
-                "--model MODEL --dataset DATA (a corpus scored on the fly, without an index)"
+                f"{clash}give one of --index INDEX (gradient scores), --finetune RUN (metagradients) "
+                "and --model MODEL --dataset DATA (a corpus scored on the fly, without an index)"
             )
-        given = self.corpus.first_set_flag() if self.corpus.model is None else None
-        if given is not None:
-            raise AssayError(f"--{given} describes a corpus scored on the fly: it goes with --model MODEL")
+        flag = self.corpus.first_set_flag() if self.corpus.model is None else None
+        if flag is not None:
+            raise AssayError(f"--{flag} describes a corpus scored on the fly: it goes with --model MODEL")
         if self.corpus.model is not None and self.options.search != "exact":
             raise AssayError("--search faiss needs an index: a corpus scored on the fly is scored exactly")
         if self.granularity == "token" and self.finetune is not None:

@@ -101,7 +101,7 @@ def test_stream_flags_are_checked_in_one_line(corpus, tmp_path, capsys):
     _, model, data, index = corpus
     for extra, message in (
         (["--search", "faiss"], "needs an index"),
-        (["--index", str(index)], "give one of"),
+        (["--index", str(index)], "--index and --model are different sources"),
     ):
         capsys.readouterr()
         assert _stream(tmp_path / "x", model, data, *extra) == 2
