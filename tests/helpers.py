@@ -82,6 +82,21 @@ def make_tokenizer(vocab_size: int = 300):
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
 
 
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+"""A ChatML chat template (SmolLM2's and Qwen's format, without a default system turn)."""
+
+
+def make_chat_tokenizer():
+    """`make_tokenizer` with ChatML's two special tokens and its chat template."""
+    tok = make_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template = CHATML
+    return tok
+
+
 LLAMA_DEFAULTS: dict[str, Any] = dict(
     vocab_size=128,
     hidden_size=32,

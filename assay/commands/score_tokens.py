@@ -99,19 +99,5 @@ def index_examples(index: GradientIndex, ids: set[int], tokenizer: Any) -> tuple
         part = source.subset(source.positions_of([i - offset for i in mine]))
         part.ids = part.ids + offset
         parts.append(part)
-    examples = concatenate(parts)
+    examples = Examples.concatenate(parts)
     return examples, {int(i): k for k, i in enumerate(examples.ids)}
-
-
-def concatenate(parts: list[Examples]) -> Examples:
-    """One Examples holding the parts' examples in order."""
-    if not parts:
-        empty = np.zeros(0, np.int64)
-        return Examples(empty, np.zeros(1, np.int64), np.zeros(0, np.int32), empty)
-    lengths = np.concatenate([p.lengths for p in parts])
-    return Examples(
-        ids=np.concatenate([p.ids for p in parts]),
-        offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
-        tokens=np.concatenate([p.tokens for p in parts]).astype(np.int32),
-        loss_start=np.concatenate([p.loss_start for p in parts]),
-    )

@@ -65,11 +65,15 @@ class DataConfig:
     subset: str | None = None
     """Hub dataset configuration name, if the dataset has several."""
     text_column: str = "text"
-    """Column holding the text (ignored when --prompt_column is given)."""
+    """Column holding the text (ignored when --prompt_column or --conversation_column is given)."""
     prompt_column: str | None = None
     """Column holding a prompt (with --completion_column); only the completion's tokens carry loss."""
     completion_column: str | None = None
     """Column holding the completion (with --prompt_column)."""
+    conversation_column: str | None = None
+    """Column holding a conversation (a list of {"role", "content"} messages, as chat datasets
+    store them), rendered with the model's chat template; only the assistant's turns carry loss
+    (each reply's tokens and the token that ends its turn)."""
     max_samples: int | None = None
     """Keep only the first N examples of the split."""
     sample_seed: int | None = None
@@ -85,6 +89,8 @@ class DataConfig:
     def __post_init__(self) -> None:
         if (self.prompt_column is None) != (self.completion_column is None):
             raise AssayError("--prompt_column and --completion_column go together")
+        if self.conversation_column is not None and self.prompt_column is not None:
+            raise AssayError("give --conversation_column or --prompt_column/--completion_column, not both")
         if self.max_samples is not None and self.max_samples <= 0:
             raise AssayError(f"--max_samples must be positive, got {self.max_samples}")
         if self.sample_seed is not None and not 0 <= self.sample_seed < MAX_SEED:
@@ -146,6 +152,9 @@ class QueryConfig:
     """Column holding a prompt; then only the completion's tokens carry the query's loss."""
     query_completion_column: str | None = None
     """Column holding the completion (with --query_prompt_column)."""
+    query_conversation_column: str | None = None
+    """Column holding a conversation (chat messages); only the assistant's turns carry the
+    query's loss (as --conversation_column)."""
     query_max_samples: int | None = None
     """Use only the first N queries (after filtering)."""
     query_filter_column: str | None = None
@@ -162,6 +171,8 @@ class QueryConfig:
             raise AssayError("--query_filter_column and --query_filter_value go together")
         if (self.query_prompt_column is None) != (self.query_completion_column is None):
             raise AssayError("--query_prompt_column and --query_completion_column go together")
+        if self.query_conversation_column is not None and self.query_prompt_column is not None:
+            raise AssayError("give --query_conversation_column or --query_prompt_column, not both")
         if self.query_max_samples is not None and self.query_max_samples <= 0:
             raise AssayError(f"--query_max_samples must be positive, got {self.query_max_samples}")
 
@@ -181,6 +192,7 @@ class QueryConfig:
             text_column=self.query_text_column,
             prompt_column=self.query_prompt_column,
             completion_column=self.query_completion_column,
+            conversation_column=self.query_conversation_column,
             max_samples=self.query_max_samples,
             max_length=max_length,
             filter_column=self.query_filter_column,

@@ -21,9 +21,12 @@ from assay.core.config import DataConfig
 from assay.core.errors import AssayError, first_line
 from assay.core.paths import cache_dir
 from assay.lm import corpora
+from assay.lm.chat import conversation_text, tokenize_conversations
 from assay.lm.table import Table
 
 ID_COLUMN = "__assay_id__"
+CHAT_VERSION = 1
+"""Bumped whenever conversations tokenize differently (keys the tokenization cache)."""
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
@@ -59,6 +62,8 @@ def _filtered(table: Table, cfg: DataConfig) -> Table:
 
 
 def _text_columns(cfg: DataConfig) -> list[str]:
+    if cfg.conversation_column:
+        return [cfg.conversation_column]
     if cfg.prompt_column and cfg.completion_column:
         return [cfg.prompt_column, cfg.completion_column]
     return [cfg.text_column]
@@ -161,12 +166,14 @@ def _load_hub(cfg: DataConfig) -> Any:
 
 @dataclass
 class Examples:
-    """Tokenized examples, stored flat. Token j is a training target when j >= loss_start."""
+    """Tokenized examples, stored flat. Token j is a training target when j >= loss_start, or,
+    where there is a loss mask (conversations: the assistant's turns), where the mask is set."""
 
     ids: np.ndarray  # [N] int64: row index in the source split
     offsets: np.ndarray  # [N+1] int64: example i is tokens[offsets[i]:offsets[i+1]]
     tokens: np.ndarray  # [total] int32
     loss_start: np.ndarray  # [N] int64: first position whose token carries loss (>= 1)
+    loss_mask: np.ndarray | None = None  # [total] bool: which tokens carry loss (None: from loss_start)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -178,20 +185,39 @@ class Examples:
     def tokens_of(self, i: int) -> np.ndarray:
         return self.tokens[self.offsets[i] : self.offsets[i + 1]]
 
+    def targets_of(self, i: int) -> np.ndarray:
+        """[L] bool: which tokens of example i carry loss."""
+        if self.loss_mask is not None:
+            return self.loss_mask[self.offsets[i] : self.offsets[i + 1]]
+        return np.arange(self.lengths[i]) >= self.loss_start[i]
+
     def num_loss_tokens(self) -> np.ndarray:
         """[N] how many targets of each example carry loss."""
+        if self.loss_mask is not None:
+            running = np.concatenate([[0], np.cumsum(self.loss_mask, dtype=np.int64)])
+            return running[self.offsets[1:]] - running[self.offsets[:-1]]
         return np.maximum(self.lengths - self.loss_start, 0)
 
     def subset(self, positions: np.ndarray | list[int]) -> Examples:
         """The examples at these positions (not ids), in this order."""
         pos = np.asarray(positions, dtype=np.int64)
-        pieces = [self.tokens_of(int(i)) for i in pos]
-        lengths = np.array([len(p) for p in pieces], dtype=np.int64)
-        return Examples(
-            ids=self.ids[pos],
+        whole = Examples(self.ids, self.offsets, self.tokens, self.loss_start, self.loss_mask)
+        return Examples.concatenate([whole], [pos])
+
+    @classmethod
+    def concatenate(cls, parts: list[Examples], picks: list[np.ndarray] | None = None) -> Examples:
+        """One Examples holding the parts' examples in order (with `picks`, those at part k's
+        positions picks[k]); ids are kept as they are."""
+        picks = picks if picks is not None else [np.arange(len(p)) for p in parts]
+        pieces = [(part, int(i)) for part, pos in zip(parts, picks) for i in pos]
+        lengths = np.array([part.lengths[i] for part, i in pieces], dtype=np.int64)
+        masked = any(part.loss_mask is not None for part in parts)
+        return cls(
+            ids=_joined([part.ids[pos] for part, pos in zip(parts, picks)], np.int64),
             offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
-            tokens=np.concatenate(pieces).astype(np.int32) if pieces else np.zeros(0, np.int32),
-            loss_start=self.loss_start[pos],
+            tokens=_joined([part.tokens_of(i) for part, i in pieces], np.int32),
+            loss_start=_joined([part.loss_start[pos] for part, pos in zip(parts, picks)], np.int64),
+            loss_mask=_joined([part.targets_of(i) for part, i in pieces], np.bool_) if masked else None,
         )
 
     def positions_of(self, ids: np.ndarray | list[int]) -> np.ndarray:
@@ -204,13 +230,26 @@ class Examples:
 
     def save(self, path: Path) -> None:
         tmp = path.with_name(path.name + ".tmp.npz")
-        np.savez(tmp, ids=self.ids, offsets=self.offsets, tokens=self.tokens, loss_start=self.loss_start)
+        arrays = {
+            "ids": self.ids,
+            "offsets": self.offsets,
+            "tokens": self.tokens,
+            "loss_start": self.loss_start,
+        }
+        if self.loss_mask is not None:
+            arrays["loss_mask"] = self.loss_mask
+        np.savez(tmp, **arrays)  # type: ignore[arg-type]  # numpy's stub types one keyword as `allow_pickle`
         os.replace(tmp, path)
 
     @classmethod
     def load(cls, path: Path) -> Examples:
         with np.load(path, allow_pickle=False) as f:
-            return cls(f["ids"], f["offsets"], f["tokens"], f["loss_start"])
+            mask = f["loss_mask"] if "loss_mask" in f.files else None
+            return cls(f["ids"], f["offsets"], f["tokens"], f["loss_start"], mask)
+
+
+def _joined(arrays: list[np.ndarray], dtype: Any) -> np.ndarray:
+    return np.concatenate([np.zeros(0, dtype), *arrays]).astype(dtype)
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
@@ -249,6 +288,11 @@ def tokenize(table: Table, cfg: DataConfig, tokenizer: Any) -> Examples:
             cfg.completion_column,
             cfg.max_length,
             len(table),
+            *(
+                [CHAT_VERSION, cfg.conversation_column, tokenizer.chat_template]
+                if cfg.conversation_column
+                else ()
+            ),
         ]
     )
     path = cache_dir() / "tokenized" / (hashlib.sha256(key.encode()).hexdigest()[:24] + ".npz")
@@ -261,6 +305,8 @@ def tokenize(table: Table, cfg: DataConfig, tokenizer: Any) -> Examples:
 
 
 def _tokenize_rows(table: Table, cfg: DataConfig, tokenizer: Any) -> Examples:
+    if cfg.conversation_column:
+        return _tokenize_conversations(table, cfg, tokenizer)
     eos = tokenizer.eos_token_id
 
     def encode(column: str, special: bool) -> list[list[int]]:
@@ -286,6 +332,23 @@ def _tokenize_rows(table: Table, cfg: DataConfig, tokenizer: Any) -> Examples:
     )
 
 
+def _tokenize_conversations(table: Table, cfg: DataConfig, tokenizer: Any) -> Examples:
+    """Each row's conversation through the chat template, the loss on the assistant's turns."""
+    assert cfg.conversation_column is not None
+    ids = [int(i) for i in table[ID_COLUMN]]
+    tokens, masks = tokenize_conversations(table[cfg.conversation_column], ids, tokenizer, cfg.dataset)
+    tokens, masks = [t[: cfg.max_length] for t in tokens], [m[: cfg.max_length] for m in masks]
+    lengths = np.array([len(t) for t in tokens], dtype=np.int64)
+    firsts = [int(np.argmax(m)) if m.any() else len(m) for m in masks]
+    return Examples(
+        ids=np.asarray(ids, dtype=np.int64),
+        offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+        tokens=np.concatenate(tokens) if tokens else np.zeros(0, np.int32),
+        loss_start=np.maximum(np.asarray(firsts, dtype=np.int64), 1),
+        loss_mask=np.concatenate(masks) if masks else np.zeros(0, bool),
+    )
+
+
 def _require_text(table: Table, column: str, name: str) -> None:
     """Every value of `column` a string, else one line naming the first row that is not."""
     for row, value in enumerate(table[column]):
@@ -306,7 +369,8 @@ def examples_fingerprint(*sets: Examples | None) -> str:
         h.update(b"none" if examples is None else b"set")
         if examples is None:
             continue
-        for arr in (examples.ids, examples.offsets, examples.tokens, examples.loss_start):
+        arrays = [examples.ids, examples.offsets, examples.tokens, examples.loss_start]
+        for arr in arrays + ([] if examples.loss_mask is None else [examples.loss_mask]):
             data = np.ascontiguousarray(arr)
             h.update(f"{data.dtype}{data.shape}".encode())
             h.update(data.tobytes())
@@ -371,13 +435,15 @@ def collate(
         n = len(toks)
         ids[row, :n] = toks
         mask[row, :n] = 1
-        start = int(examples.loss_start[pos])
-        labels[row, start:n] = toks[start:]
+        labels[row, :n] = toks.masked_fill(~torch.from_numpy(examples.targets_of(int(pos))), -100)
     return {"input_ids": ids.to(device), "attention_mask": mask.to(device), "labels": labels.to(device)}
 
 
 def texts_of(table: Table, cfg: DataConfig) -> list[str]:
-    """The readable text of each row (prompt + completion when those columns are used)."""
+    """The readable text of each row (prompt + completion when those columns are used, a
+    conversation's messages one per line)."""
+    if cfg.conversation_column:
+        return [conversation_text(v) for v in table[cfg.conversation_column]]
     if cfg.prompt_column and cfg.completion_column:
         return [f"{p}{c}" for p, c in zip(table[cfg.prompt_column], table[cfg.completion_column])]
     return [str(t) for t in table[cfg.text_column]]

@@ -87,8 +87,8 @@ def pack(
     ids, pos, labels, lengths = [], [], [], []
     for p in positions:
         toks = torch.from_numpy(examples.tokens_of(int(p)).astype(np.int64))
-        lab = toks.clone()
-        lab[: max(int(examples.loss_start[p]), 1)] = -100
+        lab = toks.masked_fill(~torch.from_numpy(examples.targets_of(int(p))), -100)
+        lab[:1] = -100
         ids.append(toks)
         pos.append(torch.arange(len(toks)))
         labels.append(lab)

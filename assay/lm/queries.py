@@ -10,8 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from assay.core.config import DataConfig, QueryConfig
 from assay.core.errors import AssayError
 from assay.lm.data import ID_COLUMN, Examples, load_table, texts_of, tokenize
@@ -46,22 +44,9 @@ def load_queries(query: QueryConfig, max_length: int, tokenizer: Any) -> Queries
     queries = Queries(
         [i for p in parts for i in p.ids],
         [t for p in parts for t in p.texts],
-        concat_examples([p.examples for p in parts]),
+        Examples.concatenate([p.examples for p in parts]),
     )
     empty = [q for q, n in zip(queries.ids, queries.examples.num_loss_tokens()) if n == 0]
     if empty:
         raise AssayError(f"query {empty[0]!r} has no tokens that carry loss (empty text or completion?)")
     return queries
-
-
-def concat_examples(parts: list[Examples]) -> Examples:
-    """One Examples holding `parts` one after the other (ids kept as they are)."""
-    if len(parts) == 1:
-        return parts[0]
-    shifts = np.cumsum([0] + [len(p.tokens) for p in parts[:-1]])
-    return Examples(
-        ids=np.concatenate([p.ids for p in parts]),
-        offsets=np.concatenate([parts[0].offsets[:1]] + [p.offsets[1:] + s for p, s in zip(parts, shifts)]),
-        tokens=np.concatenate([p.tokens for p in parts]),
-        loss_start=np.concatenate([p.loss_start for p in parts]),
-    )
