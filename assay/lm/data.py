@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from assay.core.config import DataConfig
+from assay.core.console import note
 from assay.core.errors import AssayError, first_line
 from assay.core.paths import cache_dir
 from assay.lm import corpora
@@ -25,6 +26,9 @@ from assay.lm.chat import conversation_text, tokenize_conversations
 from assay.lm.table import Table
 
 ID_COLUMN = "__assay_id__"
+TOKENIZE_VERSION = 2
+"""Bumped whenever tokenized examples change form (keys the tokenization cache; 2: what
+--max_length cut is recorded)."""
 CHAT_VERSION = 1
 """Bumped whenever conversations tokenize differently (keys the tokenization cache)."""
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -174,6 +178,7 @@ class Examples:
     tokens: np.ndarray  # [total] int32
     loss_start: np.ndarray  # [N] int64: first position whose token carries loss (>= 1)
     loss_mask: np.ndarray | None = None  # [total] bool: which tokens carry loss (None: from loss_start)
+    cut: tuple[int, int] = (0, 0)  # at tokenization: (examples cut to max_length, tokens they lost)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -238,6 +243,7 @@ class Examples:
         }
         if self.loss_mask is not None:
             arrays["loss_mask"] = self.loss_mask
+        arrays["cut"] = np.asarray(self.cut, dtype=np.int64)
         np.savez(tmp, **arrays)  # type: ignore[arg-type]  # numpy's stub types one keyword as `allow_pickle`
         os.replace(tmp, path)
 
@@ -245,7 +251,8 @@ class Examples:
     def load(cls, path: Path) -> Examples:
         with np.load(path, allow_pickle=False) as f:
             mask = f["loss_mask"] if "loss_mask" in f.files else None
-            return cls(f["ids"], f["offsets"], f["tokens"], f["loss_start"], mask)
+            cut = tuple(int(v) for v in f["cut"]) if "cut" in f.files else (0, 0)
+            return cls(f["ids"], f["offsets"], f["tokens"], f["loss_start"], mask, (cut[0], cut[1]))
 
 
 def _joined(arrays: list[np.ndarray], dtype: Any) -> np.ndarray:
@@ -281,6 +288,7 @@ def tokenize(table: Table, cfg: DataConfig, tokenizer: Any) -> Examples:
     """Tokenize every row once (cached by dataset, tokenizer and options)."""
     key = json.dumps(
         [
+            TOKENIZE_VERSION,
             table.fingerprint,
             tokenizer_fingerprint(tokenizer),
             cfg.text_column,
@@ -318,10 +326,11 @@ def _tokenize_rows(table: Table, cfg: DataConfig, tokenizer: Any) -> Examples:
         prompts, completions = encode(cfg.prompt_column, True), encode(cfg.completion_column, False)
     else:
         prompts, completions = [[] for _ in range(len(table))], encode(cfg.text_column, True)
-    pieces, starts = [], []
+    pieces, starts, lost = [], [], []
     for p, c in zip(prompts, completions):
         seq = list(p) + list(c) + ([eos] if eos is not None and (not c or c[-1] != eos) else [])
         pieces.append(np.asarray(seq[: cfg.max_length], dtype=np.int32))
+        lost.append(len(seq) - len(pieces[-1]))
         starts.append(max(len(p), 1))
     lengths = np.array([len(s) for s in pieces], dtype=np.int64)
     return Examples(
@@ -329,7 +338,13 @@ def _tokenize_rows(table: Table, cfg: DataConfig, tokenizer: Any) -> Examples:
         offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
         tokens=np.concatenate(pieces) if pieces else np.zeros(0, np.int32),
         loss_start=np.asarray(starts, dtype=np.int64),
+        cut=_cut(lost),
     )
+
+
+def _cut(lost: list[int]) -> tuple[int, int]:
+    """(examples that lost tokens to --max_length, tokens lost)."""
+    return sum(n > 0 for n in lost), sum(lost)
 
 
 def _tokenize_conversations(table: Table, cfg: DataConfig, tokenizer: Any) -> Examples:
@@ -337,6 +352,7 @@ def _tokenize_conversations(table: Table, cfg: DataConfig, tokenizer: Any) -> Ex
     assert cfg.conversation_column is not None
     ids = [int(i) for i in table[ID_COLUMN]]
     tokens, masks = tokenize_conversations(table[cfg.conversation_column], ids, tokenizer, cfg.dataset)
+    lost = [max(len(t) - cfg.max_length, 0) for t in tokens]
     tokens, masks = [t[: cfg.max_length] for t in tokens], [m[: cfg.max_length] for m in masks]
     lengths = np.array([len(t) for t in tokens], dtype=np.int64)
     firsts = [int(np.argmax(m)) if m.any() else len(m) for m in masks]
@@ -346,6 +362,7 @@ def _tokenize_conversations(table: Table, cfg: DataConfig, tokenizer: Any) -> Ex
         tokens=np.concatenate(tokens) if tokens else np.zeros(0, np.int32),
         loss_start=np.maximum(np.asarray(firsts, dtype=np.int64), 1),
         loss_mask=np.concatenate(masks) if masks else np.zeros(0, bool),
+        cut=_cut(lost),
     )
 
 
@@ -383,7 +400,19 @@ def load_examples(cfg: DataConfig, tokenizer: Any) -> tuple[Table, Examples]:
     examples = tokenize(table, cfg, tokenizer)
     if int(examples.num_loss_tokens().sum()) == 0:
         raise AssayError(f"dataset {cfg.dataset!r}: no tokens carry loss (empty texts or completions?)")
+    note_cut(examples, f"{cfg.dataset}:{cfg.split}", cfg.max_length)
     return table, examples
+
+
+def note_cut(examples: Examples, what: str, max_length: int) -> None:
+    """Say how much of `what` --max_length cut off: nothing of a dataset is dropped without a word."""
+    cut, lost = examples.cut
+    if cut:
+        share = lost / (lost + len(examples.tokens))
+        note(
+            f"{what}: {cut:,} of {len(examples):,} examples are longer than --max_length {max_length} and "
+            f"were cut, losing {lost:,} tokens ({share:.1%} of the whole)"
+        )
 
 
 def bucket_length(n: int, multiple: int = 16) -> int:

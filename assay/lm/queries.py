@@ -12,7 +12,7 @@ from typing import Any
 
 from assay.core.config import DataConfig, QueryConfig
 from assay.core.errors import AssayError
-from assay.lm.data import ID_COLUMN, Examples, load_table, texts_of, tokenize
+from assay.lm.data import ID_COLUMN, Examples, load_table, note_cut, texts_of, tokenize
 from assay.lm.table import Table
 
 
@@ -35,12 +35,14 @@ def load_queries(query: QueryConfig, max_length: int, tokenizer: Any) -> Queries
         table = load_table(data_cfg)
         ids: list[Any] = [int(i) for i in table[ID_COLUMN]]
         parts.append(Queries(ids, texts_of(table, data_cfg), tokenize(table, data_cfg, tokenizer)))
+        note_cut(parts[-1].examples, f"queries {data_cfg.dataset}:{data_cfg.split}", max_length)
     if query.query_text:
         texts = list(query.query_text)
         table = Table.from_columns({"text": texts, ID_COLUMN: list(range(len(texts)))})
         text_cfg = DataConfig(dataset="query_text", max_length=max_length)
         ad_hoc = [f"text:{i}" for i in range(len(texts))]
         parts.append(Queries(ad_hoc, texts, tokenize(table, text_cfg, tokenizer)))
+        note_cut(parts[-1].examples, "--query_text", max_length)
     queries = Queries(
         [i for p in parts for i in p.ids],
         [t for p in parts for t in p.texts],

@@ -1,6 +1,7 @@
 """Datasets in every supported form, stable ids, prompt masking, batching."""
 
 import json
+import logging
 
 import numpy as np
 import pytest
@@ -98,6 +99,18 @@ def test_truncation_and_tokenize_cache(texts_jsonl, tiny_tokenizer):
     again = tokenize(table, cfg, tiny_tokenizer)  # from the cache
     np.testing.assert_array_equal(ex.tokens, again.tokens)
     np.testing.assert_array_equal(ex.ids, again.ids)
+    full = tokenize(table, DataConfig(dataset=str(texts_jsonl), max_length=10**6), tiny_tokenizer)
+    longer = full.lengths > 5
+    assert ex.cut == again.cut == (int(longer.sum()), int((full.lengths[longer] - 5).sum())) and ex.cut[0] > 0
+    assert full.cut == (0, 0)
+
+
+def test_a_cut_dataset_is_said_so(texts_jsonl, tiny_tokenizer, caplog):
+    caplog.set_level(logging.INFO, logger="assay")
+    load_examples(DataConfig(dataset=str(texts_jsonl), max_length=10**6), tiny_tokenizer)
+    assert "--max_length" not in caplog.text
+    _, ex = load_examples(DataConfig(dataset=str(texts_jsonl), max_length=5), tiny_tokenizer)
+    assert f"{ex.cut[0]} of {len(ex)} examples are longer than --max_length 5" in caplog.text
 
 
 def test_token_batches_respect_the_budget_and_cover_everything(texts_jsonl, tiny_tokenizer):
