@@ -85,7 +85,8 @@ class BuildConfig:
     runtime: tyro.conf.OmitArgPrefixes[RuntimeConfig] = field(default_factory=RuntimeConfig)
     modules: tuple[str, ...] = DEFAULT_MODULES
     """Glob patterns over module names choosing the linear layers; `!` excludes. Only trainable
-    layers count (with a LoRA adapter: its A/B layers). Default: all but the output head."""
+    layers count (with a LoRA adapter: its A/B layers). A mixture of experts' experts count as
+    two layers each (`*.experts.gate_up.E`, `*.experts.down.E`). Default: all but the output head."""
     projection_dim: int = 16
     """Projection width per side: each module stores a p×p block. 0 stores raw weight gradients."""
     projection_seed: int = 0

@@ -39,6 +39,7 @@ from assay.core.errors import AssayError
 from assay.core.precision import STATS_DTYPE, PrecisionPolicy, check_finite, full_precision
 from assay.lm.hooks import is_conv1d, is_linear, match_modules
 from assay.lm.lean import grouped_query_attention, recompute_elementwise
+from assay.lm.moe import ExpertLinear, expose_experts, uncovered_experts
 from assay.lm.packing import SEGMENTS, Repadding, is_packed
 
 Objective = Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]
@@ -50,16 +51,36 @@ FP16_MAX_RETRIES = 12
 
 
 def linear_modules(model: nn.Module, patterns: tuple[str, ...] = DEFAULT_MODULES) -> dict[str, nn.Module]:
-    """Trainable linear layers (nn.Linear, Conv1D) matching the glob patterns (`!` excludes).
+    """Trainable linear layers (nn.Linear, Conv1D, and each expert's projections of an MoE
+    layer, `assay.lm.moe`) matching the glob patterns (`!` excludes).
 
     "Trainable" means weight.requires_grad: with a LoRA adapter only its A/B layers qualify.
     """
-    found = {n: m for n, m in model.named_modules() if is_linear(m) and m.weight.requires_grad}
+    expose_experts(model)
+    found = {n: m for n, m in model.named_modules() if _trainable_linear(m)}
+    _warn_uncovered_experts(model)
     chosen = match_modules(list(found), patterns)
     if not chosen:
         sample = ", ".join(list(found)[:6]) or "none"
         raise AssayError(f"no trainable linear module matches --modules {' '.join(patterns)}; some: {sample}")
     return {n: found[n] for n in chosen}
+
+
+def _trainable_linear(module: nn.Module) -> bool:
+    if isinstance(module, ExpertLinear):
+        return module.trainable
+    return is_linear(module) and bool(module.weight.requires_grad)  # type: ignore[union-attr]
+
+
+def _warn_uncovered_experts(model: nn.Module) -> None:
+    """One line when an MoE's experts are in a layout `assay.lm.moe` does not rewrite: their
+    fused weights (most of such a model's) would otherwise be left out without a word."""
+    uncovered = uncovered_experts(model)
+    if uncovered:
+        warn(
+            f"{len(uncovered)} fused expert weights of this mixture of experts (e.g. {uncovered[0]}) are in "
+            "a layout assay does not collect: the gradients cover the model's other linear layers only"
+        )
 
 
 def warn_silent_lora(model: nn.Module, modules: dict[str, nn.Module]) -> None:

@@ -62,6 +62,7 @@ from assay.core.precision import STATS_DTYPE, PrecisionPolicy, check_finite, ful
 from assay.core.progress import Progress
 from assay.lm.hooks import is_conv1d
 from assay.lm.losses import token_losses
+from assay.lm.moe import ExpertLinear
 
 LogitsFn = Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]
 """(model, batch) -> [B, C] logits of a classifier."""
@@ -104,6 +105,8 @@ class FactorCollector:
         self._pending: dict[str, torch.Tensor] = {}
         self._handles: list[Any] = []
         self._requires_grad: dict[str, bool] = {}
+        self._routed = {n for n, m in modules.items() if isinstance(m, ExpertLinear)}  # MoE experts
+        self._routed_counts: dict[tuple[str, int], int] = {}  # an expert's tokens, for its g side
 
     def __enter__(self) -> FactorCollector:
         self._requires_grad = {n: p.requires_grad for n, p in self.model.named_parameters()}
@@ -122,13 +125,19 @@ class FactorCollector:
         self._reset_batch()
 
     # --- hooks ------------------------------------------------------------------------------
-    def _tokens(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """[B, ..., f] -> ([B, T, f] fp32 with padded tokens zeroed, number of unpadded tokens)."""
+    def _tokens(self, x: torch.Tensor, routed: bool = False) -> tuple[torch.Tensor, int]:
+        """[B, ..., f] -> ([B, T, f] fp32 with padded tokens zeroed, number of unpadded tokens).
+
+        `routed` (an MoE expert, `assay.lm.moe`): the tokens are those sent to the expert, the
+        rows that are not all zero, so its factors are means over its own tokens."""
         x = x.detach().reshape(x.shape[0], -1, x.shape[-1]).to(STATS_DTYPE)  # explicit cast, no graph
         mask = self._mask
         if mask is not None and mask.shape == x.shape[:2]:
-            return x * mask[:, :, None], self._mask_count
-        return x, x.shape[0] * x.shape[1]
+            x = x * mask[:, :, None]
+            count = self._mask_count
+        else:
+            count = x.shape[0] * x.shape[1]
+        return x, int((x != 0).any(dim=-1).sum()) if routed else count
 
     def _add(self, key: str, value: torch.Tensor) -> None:
         prev = self._batch.get(key)
@@ -148,7 +157,9 @@ class FactorCollector:
         call = self._calls.get(name, 0)
         self._calls[name] = call + 1
         with full_precision(self.policy.device):
-            a, count = self._tokens(inputs[0])  # [B, T, in]
+            a, count = self._tokens(inputs[0], name in self._routed)  # [B, T, in]
+            if name in self._routed:
+                self._routed_counts[(name, call)] = count
             if self.bases is None:
                 self._add_grams(name, "a", a, count)
             else:
@@ -162,6 +173,8 @@ class FactorCollector:
     def _backward_hook(self, name: str, call: int, grad: torch.Tensor) -> None:
         with full_precision(self.policy.device):
             g, count = self._tokens(grad)  # [B, T, out]
+            if name in self._routed:  # the tokens sent to the expert (the last one's g is 0)
+                count = self._routed_counts.pop((name, call))
             if self.bases is None:
                 self._add_grams(name, "g", g, count)
                 return

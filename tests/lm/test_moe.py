@@ -1,0 +1,118 @@
+"""Mixture-of-experts layers (`assay.lm.moe`): the experts' fused weights collected per expert,
+checked against autograd on the model's own forward, and the model left as it computes."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from assay.attribution.collector import linear_modules
+from assay.attribution.kfac_fit import FactorCollector
+from assay.attribution.projection import Projector
+from assay.lm.data import collate
+from assay.lm.losses import example_losses
+from assay.lm.moe import expose_experts, uncovered_experts
+from tests.helpers import FP32, collect_all, random_examples, rel_err
+
+SIZES = dict(
+    vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+)
+
+
+def tiny_moe(kind: str, seed: int = 0) -> torch.nn.Module:
+    """A 2-layer random MoE of four experts, two per token (eval mode)."""
+    import transformers as tf
+
+    config, model = {
+        "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM),
+        "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
+        "olmoe": (tf.OlmoeConfig, tf.OlmoeForCausalLM),
+    }[kind]
+    experts = dict(num_local_experts=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24)
+    torch.manual_seed(seed)
+    return model(
+        config(**SIZES, **experts, intermediate_size=48, head_dim=8, max_position_embeddings=128)
+    ).eval()
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "olmoe"])
+def test_views_leave_the_model_computing_as_before(kind):
+    model = tiny_moe(kind)
+    before = copy.deepcopy(model)
+    assert expose_experts(model) == 2 and expose_experts(model) == 2  # once per layer, idempotent
+    assert list(model.state_dict()) == list(before.state_dict())
+    assert uncovered_experts(model) == [] and len(uncovered_experts(before)) == 4
+    ids = torch.randint(1, 128, (3, 13))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, before(ids).logits)
+
+
+def reference(model: torch.nn.Module, examples, names: list[str]) -> list[dict[str, torch.Tensor]]:
+    """Each example alone through the model's own experts loop: autograd's `.grad` of every
+    weight, an expert's being its slice of the fused parameter."""
+    params = dict(model.named_parameters())
+    refs = []
+    for i in range(len(examples)):
+        batch = collate(examples, np.array([i]), pad_id=0, pad_to=int(examples.lengths[i]))
+        model.zero_grad(set_to_none=True)
+        example_losses(model, batch).sum().backward()
+        grads = {}
+        for name in names:
+            head, _, index = name.rpartition(".")
+            if ".experts." in name:  # experts.gate_up.3 -> experts.gate_up_proj[3]
+                fused = head.replace(".gate_up", ".gate_up_proj").replace(".down", ".down_proj")
+                grads[name] = params[fused].grad[int(index)].clone()
+            else:
+                grads[name] = params[f"{name}.weight"].grad.clone()
+        refs.append(grads)
+    return refs
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+def test_expert_gradients_equal_autograd(kind):
+    model = tiny_moe(kind, seed=1)
+    own = copy.deepcopy(model)
+    examples = random_examples([7, 19, 12], seed=1, loss_start=[1, 5, 2])
+    col, grads, _ = collect_all(model, examples, np.arange(3), Projector(0))  # padded to one width
+    names = [s.name for s in col.slots]
+    assert sum(".experts.gate_up." in n for n in names) == sum(".experts.down." in n for n in names) == 8
+    silent = 0
+    for i, ref in enumerate(reference(own, examples, names)):
+        for s in col.slots:
+            assert rel_err(grads[i, s.start : s.stop], ref[s.name].flatten()) <= 1e-5, (i, s.name)
+            silent += int(not ref[s.name].any())  # an expert none of the example's tokens reached
+    assert silent < len(names)  # the comparison is not of zeros
+    assert all(p.requires_grad for p in model.parameters()), "requires_grad restored on exit"
+
+
+def test_an_experts_factors_are_over_its_own_tokens():
+    model = tiny_moe("mixtral", seed=2)
+    modules = linear_modules(model)
+    examples = random_examples([9, 5], seed=2)
+    batch = collate(examples, np.arange(2), pad_id=0)
+    routes = []
+    gate = model.model.layers[0].mlp.experts
+    handle = gate.register_forward_pre_hook(lambda _, args: routes.append(args[1]))
+    with FactorCollector(model, modules, FP32) as factors:
+        factors.step(batch, example_losses)
+    handle.remove()
+    unpadded = batch["attention_mask"].reshape(-1).bool()
+    for e in range(4):
+        sent = int(((routes[0] == e).any(dim=1) & unpadded).sum())
+        name = f"model.layers.0.mlp.experts.gate_up.{e}"
+        assert factors.counts[f"{name}|a"] == factors.counts[f"{name}|g"] == sent
+    assert factors.counts["model.layers.0.self_attn.q_proj|a"] == int(unpadded.sum())
+
+
+def test_experts_of_another_layout_are_reported(caplog):
+    model = tiny_moe("mixtral")
+    for layer in model.model.layers:
+        layer.mlp.experts.is_transposed = True  # e.g. gpt-oss's [E, in, out] layout: not rewritten
+    caplog.set_level(logging.WARNING, logger="assay")
+    modules = linear_modules(model)
+    assert not any(".experts." in n for n in modules)
+    assert "4 fused expert weights of this mixture of experts" in caplog.text
