@@ -281,7 +281,14 @@ def build_commands(args, data: Path, precision: str, work: Path) -> tuple[list[s
     ]
     peer_cmd += ["--dataset", str(data), "--truncation", "--token_batch_size", str(args.token_batch_size)]
     peer_cmd += ["--projection_dim", str(args.p), "--overwrite", "--precision", _peer_precision(precision)]
+    if _is_moe(model_dir):  # bergson collects fused experts only when told where they are
+        peer_cmd += ["--moe_experts", "model.layers.*.mlp.experts"]
     return ours_cmd, peer_cmd
+
+
+def _is_moe(model_dir: str) -> bool:
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return any(key in config for key in ("num_local_experts", "num_experts"))
 
 
 def process_benchmark(args, data: Path, precision: str, work: Path) -> dict:
