@@ -164,7 +164,6 @@ class GradientCollector:
         self._device = policy.device
         self._mats: dict[tuple[str, str], torch.Tensor | None] = {}
         self._saved: dict[str, list[torch.Tensor | None]] = {}
-        self._rows: dict[tuple[str, int], torch.Tensor] = {}  # an MoE expert's tokens, per call
         self._mask: torch.Tensor | None = None
         self._repad: Repadding | None = None  # a packed batch's way back to [B, T]
         self._blocks: dict[str, torch.Tensor] = {}  # module -> [B, block size] fp32
@@ -231,18 +230,10 @@ class GradientCollector:
         self._mats[(slot.name, side)] = mat
 
     # --- hooks ------------------------------------------------------------------------------
-    def _side(
-        self, slot: ModuleSlot, side: str, x: torch.Tensor, rows: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """[B, ..., f] -> [B, T, p] (or [B, T, f] raw), fp32. `rows` (an MoE expert's tokens, flat
-        indices; x is zero elsewhere): only those rows are projected, the rest stay zero."""
+    def _side(self, slot: ModuleSlot, side: str, x: torch.Tensor) -> torch.Tensor:
+        """[B, ..., f] -> [B, T, p] (or [B, T, f] raw), fp32."""
         x = x.reshape(x.shape[0], -1, x.shape[-1])
         mat = self._mats[(slot.name, side)]
-        if mat is not None and mat.dim() == 2 and rows is not None:
-            flat = x.reshape(-1, x.shape[-1])
-            picked = self._project(flat[rows][None], mat)[0]  # [n, p]
-            dense = picked.new_zeros(flat.shape[0], picked.shape[-1]).index_copy(0, rows, picked)
-            return dense.view(x.shape[0], x.shape[1], -1)
         if mat is not None and mat.dim() == 2:
             return self._project(x, mat)
         x = x.to(STATS_DTYPE)  # explicit cast: never promotion
@@ -280,15 +271,6 @@ class GradientCollector:
         saved = self._saved.setdefault(slot.name, [])
         saved.append(None)
         x = inputs[0]
-        if isinstance(module, ExpertLinear):  # projected over its routed tokens only
-            self._flush()
-            rows = inputs[1]
-            self._rows[(slot.name, len(saved) - 1)] = rows
-            with full_precision(self._device):
-                saved[-1] = self._side(slot, "in", x, rows)
-            out = output if output.requires_grad else output.detach().requires_grad_(True)
-            out.register_hook(partial(self._backward_hook, slot, len(saved) - 1))
-            return out if out is not output else None
         groupable = self._groupable(slot)
         if groupable and self._pending is not None and self._pending[0] is x:
             self._pending[1].append((slot, len(saved) - 1))  # same input as the previous layer (q/k/v)
@@ -331,8 +313,7 @@ class GradientCollector:
         with full_precision(self._device):
             a = self._saved[slot.name][call]  # [B, T, p_in] fp32
             self._saved[slot.name][call] = None
-            rows = self._rows.pop((slot.name, call), None)
-            g = self._masked(self._side(slot, "out", grad, rows))  # [B, T, p_out] fp32
+            g = self._masked(self._side(slot, "out", grad))  # [B, T, p_out] fp32
             assert a is not None
             if self._repad is not None:  # one packed row -> [B, T, p], zeros after each example
                 a, g = self._repad(a), self._repad(g)
@@ -392,7 +373,6 @@ class GradientCollector:
             grads = grads / scale if scale != 1.0 else grads
         finally:
             self._saved, self._blocks, self._pending, self._mask, self._repad = {}, {}, None, None, None
-            self._rows = {}
         return grads, values.detach()
 
     def _assemble(self, batch_size: int) -> torch.Tensor:
