@@ -206,8 +206,7 @@ class Examples:
     def subset(self, positions: np.ndarray | list[int]) -> Examples:
         """The examples at these positions (not ids), in this order."""
         pos = np.asarray(positions, dtype=np.int64)
-        whole = Examples(self.ids, self.offsets, self.tokens, self.loss_start, self.loss_mask)
-        return Examples.concatenate([whole], [pos])
+        return Examples.concatenate([self], [pos])
 
     @classmethod
     def concatenate(cls, parts: list[Examples], picks: list[np.ndarray] | None = None) -> Examples:
