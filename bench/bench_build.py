@@ -287,7 +287,8 @@ def build_commands(args, data: Path, precision: str, work: Path) -> tuple[list[s
 
 
 def _is_moe(model_dir: str) -> bool:
-    config = json.loads((Path(model_dir) / "config.json").read_text())
+    path = Path(model_dir) / "config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
     return any(key in config for key in ("num_local_experts", "num_experts"))
 
 
