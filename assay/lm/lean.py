@@ -42,6 +42,7 @@ from torch.utils.checkpoint import checkpoint
 from assay.core.precision import PrecisionPolicy
 from assay.lm.elementwise import EAGER, Kernels, compiled_kernels
 from assay.lm.hooks import is_linear
+from assay.lm.moe import exposed_fused_weights
 
 SWIGLU_PARTS = ("gate_proj", "up_proj", "down_proj", "act_fn")
 SILU_TYPES = ("SiLU", "SiLUActivation")  # torch's and transformers' silu modules
@@ -60,7 +61,8 @@ LLAMA_RMSNORM_TYPES = frozenset(
 
 
 def keep_compute_casts(model: nn.Module, policy: PrecisionPolicy) -> int:
-    """Store each frozen model's linear weights in the autocast dtype; returns how many changed.
+    """Store each frozen model's linear weights (and an MoE layer's fused expert weights, where
+    `expose_experts` runs its loop) in the autocast dtype; returns how many changed.
 
     Only for a model used for gradient collection from here on (its master weights are gone).
     Left in fp32: the output head (its fp16 gradient path reads fp32 weights), weights shared
@@ -77,14 +79,15 @@ def keep_compute_casts(model: nn.Module, policy: PrecisionPolicy) -> int:
     for module in model.modules():
         for p in module.parameters(recurse=False):
             owners[id(p)] = owners.get(id(p), 0) + 1
+    weights = [
+        module.weight
+        for name, module in model.named_modules()
+        # PEFT casts a LoRA layer's input to its adapter's dtype: LoRA layers keep fp32
+        if is_linear(module) and module is not head and ".lora_" not in name
+    ]
     changed = 0
-    for name, module in model.named_modules():
-        if not is_linear(module) or module is head:
-            continue
-        weight = module.weight
+    for weight in [*weights, *exposed_fused_weights(model)]:
         if owners[id(weight)] > 1 or weight.dtype != torch.float32:
-            continue
-        if ".lora_" in name:  # PEFT casts a LoRA layer's input to its adapter's dtype: keep fp32
             continue
         if type(weight.data).__name__ == "DTensor":  # sharded (--fsdp): FSDP owns the dtypes
             continue

@@ -52,9 +52,28 @@ class ExpertLinear(nn.Module):
         """[B, T, in] (zeros outside `rows`, the flat indices of the routed tokens) -> [B, T, out],
         computed for the routed rows only and zero elsewhere."""
         flat = x.reshape(-1, x.shape[-1])
-        picked = F.linear(flat[rows], self.weight)
+        picked = F.linear(flat[_bucketed(rows, x)], self.weight)[: len(rows)]
         dense = picked.new_zeros(flat.shape[0], picked.shape[-1]).index_copy(0, rows, picked)
         return dense.view(*x.shape[:-1], -1)
+
+
+def _bucketed(rows: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """`rows`, padded with copies of its first row to one of few distinct counts where the
+    matmul is a bf16/fp16 one on the CPU (the padded rows' outputs are dropped).
+
+    oneDNN compiles a kernel for every new row count and keeps up to 1,024 of them, and each
+    expert's routed-token count differs in every layer and batch: unpadded, bf16 collection of
+    a random Mixtral kept hundreds of MB of kernels and compiled one on most calls. Counts are
+    rounded up to a multiple of 16 or of an eighth of their power of two (beyond 128 rows at most
+    a quarter more): about 24 counts up to 2,048 rows.
+    """
+    low = x.dtype in (torch.bfloat16, torch.float16) or torch.is_autocast_enabled("cpu")
+    n = len(rows)
+    if x.device.type != "cpu" or not low or n == 0:
+        return rows
+    step = 1 << max(4, (n - 1).bit_length() - 3)
+    padded = -(-n // step) * step
+    return torch.cat([rows, rows[:1].expand(padded - n)]) if padded > n else rows
 
 
 def expose_experts(model: nn.Module) -> int:
@@ -81,6 +100,17 @@ def uncovered_experts(model: nn.Module) -> list[str]:
             if p.dim() == 3 and p.requires_grad and id(module) not in covered:
                 found.append(f"{owners[id(module)]}.{pname}")
     return found
+
+
+def exposed_fused_weights(model: nn.Module) -> list[nn.Parameter]:
+    """The fused parameters of every experts module `expose_experts` rewrote: their loop is ours
+    (F.linear per expert), so autocast treats them as it treats a linear layer's weight."""
+    return [
+        getattr(module, fused)
+        for module in model.modules()
+        if getattr(module, "_assay_views", False)
+        for fused in FUSED
+    ]
 
 
 def _shared_layout(module: nn.Module) -> bool:

@@ -13,9 +13,11 @@ import torch
 from assay.attribution.collector import linear_modules
 from assay.attribution.kfac_fit import FactorCollector
 from assay.attribution.projection import Projector, projection_matrix
+from assay.core.precision import PrecisionPolicy
 from assay.lm.data import collate
+from assay.lm.lean import keep_compute_casts
 from assay.lm.losses import example_losses
-from assay.lm.moe import expose_experts, uncovered_experts
+from assay.lm.moe import ExpertLinear, _bucketed, expose_experts, uncovered_experts
 from tests.helpers import FP32, collect_all, random_examples, rel_err
 
 SIZES = dict(
@@ -122,3 +124,56 @@ def test_experts_of_another_layout_are_reported(caplog):
     modules = linear_modules(model)
     assert not any(".experts." in n for n in modules)
     assert "4 fused expert weights of this mixture of experts" in caplog.text
+
+
+def test_compute_casts_store_the_experts_in_bf16_with_identical_rows():
+    """Under bf16 autocast the fused expert weights, cast once and kept, give the rows their
+    per-call casts gave (the linear layers' keep_compute_casts, extended to the experts)."""
+    model = tiny_moe("mixtral", seed=3)
+    policy = PrecisionPolicy.resolve("bf16", "cpu")
+    examples = random_examples([9, 5, 12], seed=3)
+    _, before, losses = collect_all(model, examples, np.arange(3), Projector(4, 0), policy)
+    assert keep_compute_casts(model, policy) == 2 * (4 + 2)  # per layer q k v o and the two fused
+    experts = model.model.layers[0].mlp.experts
+    assert experts.gate_up_proj.dtype == experts.down_proj.dtype == torch.bfloat16
+    _, after, losses_after = collect_all(model, examples, np.arange(3), Projector(4, 0), policy)
+    assert before.abs().sum() > 0
+    assert torch.equal(before, after) and torch.equal(losses, losses_after)
+
+
+def test_routed_rows_are_padded_to_few_counts_on_cpu_bf16_only():
+    """oneDNN compiles a bf16 kernel per row count: counts are bucketed (≤ 25% more rows past
+    128, 16 at least) and fp32 rows are left as they are."""
+    low, full = torch.zeros(1, 4, dtype=torch.bfloat16), torch.zeros(1, 4)
+    counts = set()
+    for n in range(1, 2049):
+        rows = torch.arange(n)
+        padded = _bucketed(rows, low)
+        assert torch.equal(padded[:n], rows) and bool((padded[n:] == 0).all())
+        assert n <= len(padded) <= max(16, 1.25 * n, n + 16)
+        counts.add(len(padded))
+        assert _bucketed(rows, full) is rows
+    assert len(counts) <= 25
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert len(_bucketed(torch.arange(100), full)) == 112
+
+
+def test_a_padded_expert_gives_its_unpadded_output_and_gradient():
+    experts = torch.nn.Module()
+    experts.gate_up_proj = torch.nn.Parameter(torch.randn(2, 24, 32))
+    view = ExpertLinear(experts, "gate_up_proj", 1)
+    rows = torch.tensor([0, 3, 4, 9, 10, 11, 17])  # 7 of 2 x 10 tokens: padded to 16
+    assert len(_bucketed(rows, torch.zeros(1, dtype=torch.bfloat16))) == 16
+    x = torch.zeros(2, 10, 32)
+    x.view(-1, 32)[rows] = torch.randn(len(rows), 32)
+    x.requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = view(x, rows)
+        want = torch.nn.functional.linear(x.view(-1, 32)[rows], view.weight)
+    assert torch.equal(out.view(-1, 24)[rows], want)
+    others = torch.ones(20, dtype=torch.bool).index_fill(0, rows, False)
+    assert not out.view(-1, 24)[others].any()
+    g = torch.randn_like(out)
+    (grad,) = torch.autograd.grad(out, x, g)
+    (grad_want,) = torch.autograd.grad(want, x, g.view(-1, 24)[rows])
+    assert torch.allclose(grad, grad_want, rtol=1e-2, atol=1e-2) and grad.view(-1, 32)[rows].abs().sum() > 0
