@@ -34,6 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from assay.lm.shapes import kernel_rows
+
 # Model types whose causal-LM forward returns `lm_head(last_hidden_state)` unchanged.
 PLAIN_HEAD_MODEL_TYPES = frozenset(
     {"llama", "mistral", "qwen2", "qwen3", "gpt2", "gpt_neox", "olmo", "olmo2", "phi3", "gemma", "smollm3"}
@@ -117,7 +119,7 @@ def _losses_and_grads(
             if head.grad_dtype == torch.float32:
                 torch.mm(probs, head.w_grad, out=grads[rows])
             else:
-                grads[rows] = torch.mm(head.head_out[: len(z)].copy_(probs), head.w_grad)
+                grads[rows] = torch.mm(head.padded_grad(probs), head.w_grad)[: len(z)]
     return losses, lse, grads
 
 
@@ -128,7 +130,8 @@ class _Chunks:
     mapping for the kernel to zero and fault in (see `assay.core.memory`), which cost more than
     the arithmetic. The head's matmul runs in `dtype` (the autocast dtype), the logits come out
     in fp32; gradient matmuls run in `grad_dtype`, fp32 under fp16 (small probabilities would
-    underflow) and `dtype` otherwise.
+    underflow) and `dtype` otherwise. A low-precision matmul's rows are padded with zeros to a
+    count of few distinct sizes (`assay.lm.shapes`): the last chunk's count follows the batch.
     """
 
     def __init__(
@@ -141,19 +144,33 @@ class _Chunks:
         self.w_grad = self.w.to(self.grad_dtype)  # the same tensor unless fp16
         self.n, vocab = hidden.shape[0], weight.shape[0]
         self.chunk = max(1, min(self.n, max(MIN_CHUNK_TOKENS, CHUNK_ELEMENTS // vocab)))
-        self.head_out = hidden.new_empty(self.chunk, vocab, dtype=dtype)
+        self.head_out = hidden.new_empty(kernel_rows(self.chunk, dtype, hidden.device), vocab, dtype=dtype)
         fp32 = dtype == torch.float32
         self._logits = self.head_out if fp32 else hidden.new_empty(self.chunk, vocab, dtype=torch.float32)
 
+    def padded_grad(self, probs: torch.Tensor) -> torch.Tensor:
+        """[c, V] fp32 d loss/d logits in `grad_dtype`: itself when that is fp32, else in the
+        reused buffer, padded with zero rows as the chunk's hidden is."""
+        if self.grad_dtype == torch.float32:
+            return probs
+        c = len(probs)
+        g = self.head_out[: kernel_rows(c, self.grad_dtype, probs.device)]
+        g[:c].copy_(probs)
+        g[c:].zero_()
+        return g
+
     def logits(self) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor]]:
-        """(rows, [c, H] hidden in `dtype`, [c, V] fp32 logits: a buffer the next chunk reuses)."""
+        """(rows, [c', H] hidden in `dtype` (c' ≥ c rows, zero past the chunk's c), [c, V] fp32
+        logits: a buffer the next chunk reuses)."""
         for start in range(0, self.n, self.chunk):
             rows, c = slice(start, start + self.chunk), min(self.chunk, self.n - start)
             h = self.hidden[rows].to(self.dtype)
+            padded = kernel_rows(c, self.dtype, h.device)
+            h = torch.cat([h, h.new_zeros(padded - c, h.shape[1])]) if padded > c else h
             if self.b is None:
-                torch.mm(h, self.w.T, out=self.head_out[:c])
+                torch.mm(h, self.w.T, out=self.head_out[:padded])
             else:
-                torch.addmm(self.b, h, self.w.T, out=self.head_out[:c])
+                torch.addmm(self.b, h, self.w.T, out=self.head_out[:padded])
             z = self._logits[:c]
             if self._logits is not self.head_out:  # bf16/fp16 head: upcast its output
                 z.copy_(self.head_out[:c])
@@ -235,9 +252,9 @@ def _head_backward(
         target = targets[rows, None]
         probs.scatter_add_(1, target, probs.new_full(target.shape, -1.0))
         probs.mul_(grad_losses[rows, None])  # [c, V]: d Σ / d logits
-        g = probs if head.grad_dtype == torch.float32 else head.head_out[: len(z)].copy_(probs)
-        d_hidden[rows] = g @ head.w_grad
-        h = h.to(head.grad_dtype)  # the same tensor unless fp16
+        g = head.padded_grad(probs)
+        d_hidden[rows] = (g @ head.w_grad)[: len(z)]
+        h = h[: len(g)].to(head.grad_dtype)  # the same tensor unless fp16 (then unpadded)
         if chunk_weight is None:
             d_weight.addmm_(g.T, h)
         else:

@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from assay.lm.shapes import kernel_rows
+
 FUSED = ("gate_up_proj", "down_proj")
 VIEWS = {"gate_up_proj": "gate_up", "down_proj": "down"}  # the views' module names, per expert
 BATCH_SHAPE = "_assay_batch_shape"  # set on the experts module by its parent's pre-hook
@@ -58,22 +60,14 @@ class ExpertLinear(nn.Module):
 
 
 def _bucketed(rows: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """`rows`, padded with copies of its first row to one of few distinct counts where the
-    matmul is a bf16/fp16 one on the CPU (the padded rows' outputs are dropped).
-
-    oneDNN compiles a kernel for every new row count and keeps up to 1,024 of them, and each
-    expert's routed-token count differs in every layer and batch: unpadded, bf16 collection of
-    a random Mixtral kept hundreds of MB of kernels and compiled one on most calls. Counts are
-    rounded up to a multiple of 16 or of an eighth of their power of two (beyond 128 rows at most
-    a quarter more): about 24 counts up to 2,048 rows.
-    """
-    low = x.dtype in (torch.bfloat16, torch.float16) or torch.is_autocast_enabled("cpu")
-    n = len(rows)
-    if x.device.type != "cpu" or not low or n == 0:
-        return rows
-    step = 1 << max(4, (n - 1).bit_length() - 3)
-    padded = -(-n // step) * step
-    return torch.cat([rows, rows[:1].expand(padded - n)]) if padded > n else rows
+    """`rows`, padded with copies of its first row to a count of few distinct sizes
+    (`assay.lm.shapes`; the padded rows' outputs are dropped): each expert's routed-token count
+    differs in every layer and batch, and unpadded, bf16 collection of a random Mixtral kept
+    hundreds of MB of oneDNN kernels and compiled one on most calls."""
+    cpu_autocast = x.device.type == "cpu" and torch.is_autocast_enabled("cpu")
+    dtype = torch.get_autocast_dtype("cpu") if cpu_autocast else x.dtype
+    padded = kernel_rows(len(rows), dtype, x.device)
+    return torch.cat([rows, rows[:1].expand(padded - len(rows))]) if padded > len(rows) else rows
 
 
 def expose_experts(model: nn.Module) -> int:
