@@ -117,6 +117,27 @@ def tiny_llama(seed: int = 0, **config: Any) -> nn.Module:
     return LlamaForCausalLM(LlamaConfig(**{**LLAMA_DEFAULTS, **config})).eval()
 
 
+MOE_SIZES = dict(
+    vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+)
+
+
+def tiny_moe(kind: str = "mixtral", seed: int = 0) -> nn.Module:
+    """A 2-layer random mixture of experts (mixtral, qwen3_moe or olmoe) of four experts, two
+    per token (eval mode)."""
+    import transformers as tf  # the model classes import slowly; only MoE tests need them
+
+    config, model = {
+        "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM),
+        "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
+        "olmoe": (tf.OlmoeConfig, tf.OlmoeForCausalLM),
+    }[kind]
+    experts = dict(num_local_experts=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24)
+    torch.manual_seed(seed)
+    sizes = dict(intermediate_size=48, head_dim=8, max_position_embeddings=128)
+    return model(config(**MOE_SIZES, **experts, **sizes)).eval()
+
+
 def tiny_gpt2(seed: int = 0, **config: Any) -> nn.Module:
     """A 2-layer random GPT-2 (Conv1D projections; eval mode); keyword arguments override the
     config."""

@@ -39,6 +39,8 @@ from assay.lm.shapes import kernel_rows
 # Model types whose causal-LM forward returns `lm_head(last_hidden_state)` unchanged.
 PLAIN_HEAD_MODEL_TYPES = frozenset(
     {"llama", "mistral", "qwen2", "qwen3", "gpt2", "gpt_neox", "olmo", "olmo2", "phi3", "gemma", "smollm3"}
+    # mixtures of experts: the router's auxiliary loss joins `loss` only, given labels
+    | {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe"}
 )
 CHUNK_ELEMENTS = 2**20
 """Logits per chunk: 4 MB in fp32, 256 tokens at a 4k vocabulary."""

@@ -55,8 +55,7 @@ class ExpertLinear(nn.Module):
         computed for the routed rows only and zero elsewhere."""
         flat = x.reshape(-1, x.shape[-1])
         picked = F.linear(flat[_bucketed(rows, x)], self.weight)[: len(rows)]
-        dense = picked.new_zeros(flat.shape[0], picked.shape[-1]).index_copy(0, rows, picked)
-        return dense.view(*x.shape[:-1], -1)
+        return _only_rows(picked, rows, flat.shape[0]).view(*x.shape[:-1], -1)
 
 
 def _bucketed(rows: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -190,7 +189,7 @@ def _experts_forward(
         inner = _only_rows(act(gate) * up, token_idx, b * t).view(b, t, -1)
         out = down(inner, token_idx).view(b * t, -1)[token_idx]
         out = out * top_k_weights[token_idx, pos, None]
-        final.index_add_(0, token_idx, out.to(final.dtype))
+        final = _AddRows.apply(final, out.to(final.dtype), token_idx)
     return final
 
 
@@ -200,8 +199,25 @@ def _only(flat: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 
 def _only_rows(values: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
-    """[n, f]: `values` at `rows`, zeros elsewhere."""
-    return values.new_zeros(n, values.shape[-1]).index_copy(0, rows, values)
+    """[n, f]: `values` at `rows` (distinct), zeros elsewhere."""
+    return _AddRows.apply(values.new_zeros(n, values.shape[-1]), values, rows)
+
+
+class _AddRows(torch.autograd.Function):
+    """`into.index_add_(0, rows, values)` keeping only `rows` for backward: torch's index_add and
+    index_copy also keep `values`, a copy of every expert's routed rows at each of its four
+    scatters, for a backward that needs only their indices."""
+
+    @staticmethod
+    def forward(ctx: Any, into: torch.Tensor, values: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(rows)
+        ctx.mark_dirty(into)
+        return into.index_add_(0, rows, values)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        (rows,) = ctx.saved_tensors
+        return grad, grad.index_select(0, rows), None
 
 
 def _parent(model: nn.Module, name: str) -> nn.Module:

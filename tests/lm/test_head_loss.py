@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import pytest
 import torch
@@ -11,7 +13,7 @@ from assay.lm import head_loss
 from assay.lm.data import collate
 from assay.lm.head_loss import fusable_head
 from assay.lm.losses import example_losses, token_losses
-from tests.helpers import random_examples, tiny_gpt2, tiny_llama
+from tests.helpers import random_examples, tiny_gpt2, tiny_llama, tiny_moe
 
 
 def plain_losses(model, batch):
@@ -40,7 +42,7 @@ def batch_with_prompts():
 
 
 @pytest.mark.parametrize("trained", [False, True], ids=["frozen-head", "trained-head"])
-@pytest.mark.parametrize("make", [tiny_llama, tiny_gpt2])
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gpt2, tiny_moe, partial(tiny_moe, "olmoe")])
 def test_chunked_head_equals_plain_logits_fp32(make, trained, monkeypatch):
     """Losses and every trainable parameter's gradient; a trained head's weight (GPT-2's tied to
     its embedding, Llama's its own) gets its gradient from the backward's chunks."""

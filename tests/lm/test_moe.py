@@ -18,27 +18,7 @@ from assay.lm.data import collate
 from assay.lm.lean import keep_compute_casts
 from assay.lm.losses import example_losses
 from assay.lm.moe import ExpertLinear, _bucketed, expose_experts, uncovered_experts
-from tests.helpers import FP32, collect_all, random_examples, rel_err
-
-SIZES = dict(
-    vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
-)
-
-
-def tiny_moe(kind: str, seed: int = 0) -> torch.nn.Module:
-    """A 2-layer random MoE of four experts, two per token (eval mode)."""
-    import transformers as tf
-
-    config, model = {
-        "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM),
-        "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
-        "olmoe": (tf.OlmoeConfig, tf.OlmoeForCausalLM),
-    }[kind]
-    experts = dict(num_local_experts=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24)
-    torch.manual_seed(seed)
-    return model(
-        config(**SIZES, **experts, intermediate_size=48, head_dim=8, max_position_embeddings=128)
-    ).eval()
+from tests.helpers import FP32, collect_all, random_examples, rel_err, tiny_moe
 
 
 @pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "olmoe"])
