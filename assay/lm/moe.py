@@ -189,7 +189,7 @@ def _experts_forward(
         inner = _only_rows(act(gate) * up, token_idx, b * t).view(b, t, -1)
         out = down(inner, token_idx).view(b * t, -1)[token_idx]
         out = out * top_k_weights[token_idx, pos, None]
-        final = _AddRows.apply(final, out.to(final.dtype), token_idx)
+        final.index_put_((token_idx,), out.to(final.dtype), accumulate=True)  # see _only_rows
     return final
 
 
@@ -199,25 +199,10 @@ def _only(flat: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 
 def _only_rows(values: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
-    """[n, f]: `values` at `rows` (distinct), zeros elsewhere."""
-    return _AddRows.apply(values.new_zeros(n, values.shape[-1]), values, rows)
-
-
-class _AddRows(torch.autograd.Function):
-    """`into.index_add_(0, rows, values)` keeping only `rows` for backward: torch's index_add and
-    index_copy also keep `values`, a copy of every expert's routed rows at each of its four
-    scatters, for a backward that needs only their indices."""
-
-    @staticmethod
-    def forward(ctx: Any, into: torch.Tensor, values: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        ctx.save_for_backward(rows)
-        ctx.mark_dirty(into)
-        return into.index_add_(0, rows, values)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        (rows,) = ctx.saved_tensors
-        return grad, grad.index_select(0, rows), None
+    """[n, f]: `values` at `rows` (distinct), zeros elsewhere. index_put_, not index_copy:
+    autograd keeps only the indices, where index_copy (and index_add) keep the rows themselves,
+    copies of every expert's routed rows until backward."""
+    return values.new_zeros(n, values.shape[-1]).index_put_((rows,), values)
 
 
 def _parent(model: nn.Module, name: str) -> nn.Module:

@@ -150,3 +150,20 @@ def test_a_padded_expert_gives_its_unpadded_output_and_gradient():
     (grad,) = torch.autograd.grad(out, x, g)
     (grad_want,) = torch.autograd.grad(want, x, g.view(-1, 24)[rows])
     assert torch.allclose(grad, grad_want, rtol=1e-2, atol=1e-2) and grad.view(-1, 32)[rows].abs().sum() > 0
+
+
+def test_the_experts_loop_keeps_no_routed_rows_for_its_scatters():
+    """torch's index_copy and index_add keep their source rows for backward; the loop's scatters
+    (index_put_) keep only the indices."""
+    model = tiny_moe("mixtral")
+    expose_experts(model)
+    ids = torch.randint(1, 128, (2, 30))
+    nodes, stack = set(), [model(ids).logits.sum().grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is not None and node not in nodes:
+            nodes.add(node)
+            stack += [f for f, _ in node.next_functions]
+    kinds = {type(n).__name__ for n in nodes}
+    assert "IndexPutBackward0" in kinds
+    assert not kinds & {"IndexCopyBackward0", "IndexAddBackward0"}
