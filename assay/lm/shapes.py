@@ -1,12 +1,12 @@
 """Row counts for low-precision CPU matmuls whose row count changes from call to call.
 
 torch runs bf16/fp16 matmuls on the CPU through oneDNN, which compiles a kernel for every new
-shape and keeps up to 1,024 of them (about 0.7 MB each, whatever the matrices' size). A count
-that follows the data, such as an MoE expert's routed tokens or the last chunk of a batch's
-output-head tokens, makes a new shape on most calls: a compile each time, and on a long run
-hundreds of MB of kept kernels. Such matmuls run on a count rounded up by `kernel_rows` (the
-extra rows zero or dropped), so a run sees about 24 counts up to 2,048 rows. fp32 CPU matmuls
-(MKL) and GPU ones keep their counts.
+shape and keeps up to 1,024 of them (about 0.6 MB each, whatever the matrices' size:
+bench/bench_kernel_cache.py). A count that follows the data, such as an MoE expert's routed
+tokens or the last chunk of a batch's output-head tokens, makes a new shape on most calls: a
+compile each time, and on a long run hundreds of MB of kept kernels. Such matmuls run on a count
+rounded up by `kernel_rows` (the extra rows zero or dropped), so a run sees about 24 counts up to
+2,048 rows. fp32 CPU matmuls (MKL) and GPU ones keep their counts.
 """
 
 from __future__ import annotations
