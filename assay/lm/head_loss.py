@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from assay.lm.shapes import kernel_rows
+from assay.lm.shapes import kept_per_shape, kernel_rows
 
 # Model types whose causal-LM forward returns `lm_head(last_hidden_state)` unchanged.
 PLAIN_HEAD_MODEL_TYPES = frozenset(
@@ -132,8 +132,9 @@ class _Chunks:
     mapping for the kernel to zero and fault in (see `assay.core.memory`), which cost more than
     the arithmetic. The head's matmul runs in `dtype` (the autocast dtype), the logits come out
     in fp32; gradient matmuls run in `grad_dtype`, fp32 under fp16 (small probabilities would
-    underflow) and `dtype` otherwise. A low-precision matmul's rows are padded with zeros to a
-    count of few distinct sizes (`assay.lm.shapes`): the last chunk's count follows the batch.
+    underflow) and `dtype` otherwise. On the CPU a low-precision matmul's rows are padded with zeros to a
+    full chunk (`assay.lm.shapes`): the last chunk's count follows the batch, and every new count
+    would be a kernel oneDNN compiles and keeps (the zero rows cost at most a chunk per batch).
     """
 
     def __init__(
@@ -146,7 +147,8 @@ class _Chunks:
         self.w_grad = self.w.to(self.grad_dtype)  # the same tensor unless fp16
         self.n, vocab = hidden.shape[0], weight.shape[0]
         self.chunk = max(1, min(self.n, max(MIN_CHUNK_TOKENS, CHUNK_ELEMENTS // vocab)))
-        self.head_out = hidden.new_empty(kernel_rows(self.chunk, dtype, hidden.device), vocab, dtype=dtype)
+        self.rows = kernel_rows(self.chunk, dtype, hidden.device)  # a low-precision matmul's rows
+        self.head_out = hidden.new_empty(self.rows, vocab, dtype=dtype)
         fp32 = dtype == torch.float32
         self._logits = self.head_out if fp32 else hidden.new_empty(self.chunk, vocab, dtype=torch.float32)
 
@@ -156,7 +158,7 @@ class _Chunks:
         if self.grad_dtype == torch.float32:
             return probs
         c = len(probs)
-        g = self.head_out[: kernel_rows(c, self.grad_dtype, probs.device)]
+        g = self.head_out[: self.rows]
         g[:c].copy_(probs)
         g[c:].zero_()
         return g
@@ -167,7 +169,7 @@ class _Chunks:
         for start in range(0, self.n, self.chunk):
             rows, c = slice(start, start + self.chunk), min(self.chunk, self.n - start)
             h = self.hidden[rows].to(self.dtype)
-            padded = kernel_rows(c, self.dtype, h.device)
+            padded = self.rows if kept_per_shape(self.dtype, h.device) else c
             h = torch.cat([h, h.new_zeros(padded - c, h.shape[1])]) if padded > c else h
             if self.b is None:
                 torch.mm(h, self.w.T, out=self.head_out[:padded])

@@ -127,3 +127,31 @@ def test_chunk_buffers_match_a_reference(dtype, with_bias, monkeypatch):
     if bias is not None:
         assert d_b is not None
         torch.testing.assert_close(d_b.double(), scaled.sum(dim=0), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_low_precision_head_keeps_one_row_count(dtype, monkeypatch):
+    """On the CPU a bf16 head's matmuls run on the full chunk's rows whatever the batch's token
+    count (oneDNN keeps a kernel per shape, `assay.lm.shapes`); fp32 ones on the rows there are."""
+    from torch.utils._python_dispatch import TorchDispatchMode  # the ops' shapes, as torch runs them
+
+    class Rows(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: set[int] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.mm.out, torch.ops.aten.addmm.out):
+                self.seen.add(args[-2].shape[0] if func is torch.ops.aten.addmm.out else args[0].shape[0])
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(head_loss, "CHUNK_ELEMENTS", 50 * 32)  # 32 tokens a chunk
+    monkeypatch.setattr(head_loss, "MIN_CHUNK_TOKENS", 1)
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(50, 16, generator=gen)
+    rows = Rows()
+    for n in (40, 57, 70, 96, 101):
+        hidden, targets = torch.randn(n, 16, generator=gen), torch.randint(0, 50, (n,), generator=gen)
+        with rows:
+            head_loss._losses_and_grads(hidden, weight, None, targets, dtype, True)
+    assert rows.seen == ({32} if dtype == torch.bfloat16 else {32, 8, 25, 6, 5})
