@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from assay.lm.shapes import kept_per_shape, kernel_rows
+from assay.lm.shapes import compute_dtype, kept_per_shape, kernel_rows
 
 # Model types whose causal-LM forward returns `lm_head(last_hidden_state)` unchanged.
 PLAIN_HEAD_MODEL_TYPES = frozenset(
@@ -84,11 +84,6 @@ def head_bypassed(model: nn.Module, head: nn.Module) -> Iterator[_Capture]:
         yield capture
     finally:
         setattr(parent, attr, head)
-
-
-def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
-    device = hidden.device.type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
 
 
 def _losses_and_grads(
@@ -274,7 +269,7 @@ def chunked_head_losses(hidden: torch.Tensor, head: nn.Linear, labels: torch.Ten
     targets = labels[:, 1:]  # position t predicts token t + 1
     keep = targets != -100  # [B, T-1]
     rows = hidden[:, :-1][keep]  # [N, H]: only positions with a target
-    dtype = _compute_dtype(hidden)
+    dtype = compute_dtype(hidden)
     head_trains = torch.is_grad_enabled() and any(p.requires_grad for p in head.parameters())
     if head_trains:
         losses = _TrainedHeadLoss.apply(rows, head.weight, head.bias, targets[keep], dtype)

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from assay.lm.shapes import kernel_rows
+from assay.lm.shapes import compute_dtype, kernel_rows
 
 FUSED = ("gate_up_proj", "down_proj")
 VIEWS = {"gate_up_proj": "gate_up", "down_proj": "down"}  # the views' module names, per expert
@@ -63,9 +63,7 @@ def _bucketed(rows: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     (`assay.lm.shapes`; the padded rows' outputs are dropped): each expert's routed-token count
     differs in every layer and batch, and unpadded, bf16 collection of a random Mixtral kept
     hundreds of MB of oneDNN kernels and compiled one on most calls."""
-    cpu_autocast = x.device.type == "cpu" and torch.is_autocast_enabled("cpu")
-    dtype = torch.get_autocast_dtype("cpu") if cpu_autocast else x.dtype
-    padded = kernel_rows(len(rows), dtype, x.device)
+    padded = kernel_rows(len(rows), compute_dtype(x), x.device)
     return torch.cat([rows, rows[:1].expand(padded - len(rows))]) if padded > len(rows) else rows
 
 

@@ -17,6 +17,12 @@ import torch
 MIN_ROWS = 16
 
 
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a matmul of `x` runs in: autocast's on `x`'s device where it is on, else `x`'s."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
 def kept_per_shape(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether matmuls in `dtype` on `device` keep a compiled kernel per shape (oneDNN's)."""
     return device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
