@@ -45,7 +45,7 @@ from assay.core.console import note
 from assay.core.disk import reserve
 from assay.core.distributed import Distributed
 from assay.core.errors import AssayError
-from assay.core.memory import release_between_steps, reuse_freed_memory
+from assay.core.memory import reuse_freed_memory
 from assay.core.precision import PrecisionPolicy
 from assay.core.progress import Progress
 from assay.core.runs import check_inputs, config_from_dict, config_to_dict, read_json, run_folder, write_json
@@ -199,7 +199,6 @@ def iter_gradients(
     objective = objective or example_losses
     with setup.collector() as col:
         for positions in batches:
-            release_between_steps()  # the last batch's heap holes, before this batch's peak
             if packed and saves_padding(examples, positions):
                 batch = pack(examples, positions, setup.policy.device)
             else:

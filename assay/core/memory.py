@@ -10,7 +10,6 @@ import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from functools import cache
 
 M_MMAP_THRESHOLD = -3  # mallopt parameter numbers (malloc.h)
 M_TRIM_THRESHOLD = -1
@@ -29,10 +28,9 @@ def return_freed_memory() -> None:
     at 2 MiB SmolLM2-135M's hidden-sized bf16 tensors (batches of up to ~1,800 tokens) come from
     the heap, and `assay build` ran 12-13% faster than at 1 MiB for a peak 0-10% higher
     (docs/BENCHMARKS.md, "The allocator's threshold"). A threshold the user set in the
-    environment is left alone; no-op off glibc. Turns on `release_between_steps`.
+    environment is left alone; no-op off glibc.
     """
     _mallopt({M_MMAP_THRESHOLD: MMAP_THRESHOLD_BYTES})
-    _Heap.trim_between_steps = True
 
 
 def reuse_freed_memory(limit: int = REUSE_LIMIT_BYTES) -> None:
@@ -42,32 +40,8 @@ def reuse_freed_memory(limit: int = REUSE_LIMIT_BYTES) -> None:
     are otherwise fresh mappings the kernel must fault in and zero at every use (above glibc's
     32 MiB dynamic ceiling even by default).
     The opposite trade of `return_freed_memory`; a threshold set in the environment is left alone.
-    Turns off `release_between_steps`.
     """
     _mallopt({M_MMAP_THRESHOLD: limit, M_TRIM_THRESHOLD: limit})
-    _Heap.trim_between_steps = False
-
-
-class _Heap:
-    """What the process does with the heap's freed memory between steps (set by the two above)."""
-
-    trim_between_steps = False
-
-
-def release_between_steps() -> None:
-    """Between two batches, hand the free pages inside glibc's heap back to the OS (malloc_trim);
-    only once `return_freed_memory` has run, and not when the user set MALLOC_TRIM_THRESHOLD_.
-
-    Tensors under the mmap threshold (a small model's activations: 0.4-1 MiB on the random
-    2.1M-parameter Llama) live in the heap, and freed ones leave holes that glibc returns only
-    from its top. Over a run of batches of different row counts the holes add up: after a
-    backward tiny-2m's heap held 96 MB free among 142 MB in use. Trimming between batches
-    returns them; each batch then faults in only the pages it touches again, once, not at every
-    allocation as a lower threshold would (docs/BENCHMARKS.md, "The heap between batches").
-    """
-    libc = _libc() if _Heap.trim_between_steps and "MALLOC_TRIM_THRESHOLD_" not in os.environ else None
-    if libc is not None:
-        libc.malloc_trim(0)
 
 
 MATMUL_CACHE = "LRU_CACHE_CAPACITY"
@@ -92,23 +66,14 @@ def small_matmul_cache() -> None:
 def _mallopt(settings: dict[int, int]) -> None:
     """glibc's mallopt(param, value) for each setting; nothing when the user set the mmap
     threshold in the environment, or off glibc (musl and others keep their own policy)."""
-    libc = _libc()
-    if libc is None or "MALLOC_MMAP_THRESHOLD_" in os.environ:
+    if not sys.platform.startswith("linux") or "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return
-    for param, value in settings.items():
-        libc.mallopt(param, value)
-
-
-@cache
-def _libc() -> ctypes.CDLL | None:
-    """glibc, or None off Linux or off glibc (musl and others keep their own policy)."""
-    if not sys.platform.startswith("linux"):
-        return None
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:  # not glibc (e.g. musl): its allocator already returns large blocks
-        return None
-    return libc if hasattr(libc, "malloc_trim") else None
+        return
+    for param, value in settings.items():
+        libc.mallopt(param, value)
 
 
 @contextmanager

@@ -41,33 +41,6 @@ def test_freed_tensors_leave_the_process():
     assert returned("off") < 50  # glibc's default keeps them: the test can tell the difference
 
 
-HOLES = """
-import sys, torch
-from assay.core.memory import release_between_steps, return_freed_memory, reuse_freed_memory
-return_freed_memory()
-if sys.argv[1] == "reuse":
-    reuse_freed_memory()
-def rss_mb():
-    with open("/proc/self/status") as f:
-        return next(int(l.split()[1]) for l in f if l.startswith("VmRSS:")) / 1024
-tensors = [torch.ones(1 << 18) for _ in range(128)]  # 128 x 1 MiB: under the threshold, heap
-del tensors[::2]  # holes between live blocks: glibc trims only its heap's top
-held = rss_mb()
-release_between_steps()
-print(held - rss_mb())
-"""
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc allocator behaviour")
-def test_heap_holes_go_back_between_steps_unless_memory_is_kept():
-    def returned(mode: str) -> float:
-        out = subprocess.run([sys.executable, "-c", HOLES, mode], capture_output=True, text=True, check=True)
-        return float(out.stdout.strip())
-
-    assert returned("return") > 48  # 64 MiB of holes handed back
-    assert returned("reuse") < 16  # `keep_freed_memory` runs keep them for the next step
-
-
 FROZEN = """
 import gc, sys
 from assay.cli import entry
