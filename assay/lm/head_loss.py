@@ -153,10 +153,15 @@ class _Chunks:
         if self.grad_dtype == torch.float32:
             return probs
         c = len(probs)
-        g = self.head_out[: self.rows]
+        g = self.head_out[: self._rows_for(c)]
         g[:c].copy_(probs)
         g[c:].zero_()
         return g
+
+    def _rows_for(self, c: int) -> int:
+        """The rows a chunk of c tokens is multiplied on: the full chunk's where oneDNN keeps a
+        kernel per shape (low precision on the CPU), else c."""
+        return self.rows if kept_per_shape(self.dtype, self.hidden.device) else c
 
     def logits(self) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor]]:
         """(rows, [c', H] hidden in `dtype` (c' ≥ c rows, zero past the chunk's c), [c, V] fp32
@@ -164,7 +169,7 @@ class _Chunks:
         for start in range(0, self.n, self.chunk):
             rows, c = slice(start, start + self.chunk), min(self.chunk, self.n - start)
             h = self.hidden[rows].to(self.dtype)
-            padded = self.rows if kept_per_shape(self.dtype, h.device) else c
+            padded = self._rows_for(c)
             h = torch.cat([h, h.new_zeros(padded - c, h.shape[1])]) if padded > c else h
             if self.b is None:
                 torch.mm(h, self.w.T, out=self.head_out[:padded])

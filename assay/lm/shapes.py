@@ -7,7 +7,8 @@ tokens or the last chunk of a batch's output-head tokens, makes a new shape on m
 compile each time, and on a long run hundreds of MB of kept kernels. An expert's matmuls run on
 a count rounded up by `kernel_rows` (the extra rows zero or dropped), so a run sees about 24
 counts up to 2,048 rows; the head's last chunk runs on as many rows as the others
-(`assay.lm.head_loss`), so the head keeps one shape. fp32 CPU matmuls (MKL) and GPU ones keep their counts.
+(`assay.lm.head_loss`), so the head keeps one shape. fp32 CPU matmuls (MKL) and GPU ones keep
+their counts.
 """
 
 from __future__ import annotations
