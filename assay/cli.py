@@ -190,9 +190,24 @@ def entry() -> int:
             load(command)
             for library in command.libraries:
                 importlib.import_module(library)
-    code = main()
+    try:
+        code = main()
+        sys.stdout.flush()  # a reader gone shows here, not as an ignored error at shutdown
+    except BrokenPipeError:
+        return _reader_gone()
     gc.freeze()  # nothing is collected after this: shutdown need not walk every live object
     return code
+
+
+def _reader_gone() -> int:
+    """The exit status when whoever read stdout stopped reading (`assay score --help | head`):
+    128 + SIGPIPE, as a process killed by the signal would give, and no traceback. The rest of
+    stdout goes to /dev/null, so flushing it at exit does not fail again."""
+    import os  # lazy: only on this path
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return 128 + 13
 
 
 def _command_to_preload(args: list[str]) -> Command | None:

@@ -1,6 +1,7 @@
 """The command line: help from docstrings, one-line errors, replay of saved configs."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -76,6 +77,25 @@ def test_unknown_precision_exits_nonzero_without_traceback(tmp_path, texts_jsonl
         text=True,
     )
     assert proc.returncode != 0 and "fp8" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("args", [["sae", "train", "--help"], ["--help"], ["--version"]])
+def test_output_into_a_closed_pipe_is_no_traceback(args):
+    """`assay score --help | head -1`: once stdout's reader has gone, writing the rest meets a
+    closed pipe; that ends the process with 141 (128 + SIGPIPE), quietly. The read end is closed
+    before the process starts, so every write meets it (no race with the reader)."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", "from assay.cli import entry; raise SystemExit(entry())", *args],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+    finally:
+        os.close(write)
+    assert proc.returncode == 141 and "Traceback" not in proc.stderr, proc.stderr
 
 
 def test_eval_then_replay_reproduces(capsys, tmp_path, texts_jsonl, tiny_model_dir):

@@ -49,7 +49,7 @@ COMMANDS: dict[str, Command] = {
     ),
     "sae train": Command(
         "sae_train",
-        "Train a sparse autoencoder on a model's activations at one module (fp32 or bf16 autocast).",
+        "Train SAEs or transcoders on a model's activations, several from one pass (fp32 or bf16 autocast).",
     ),
     "sae eval": Command(
         "sae_eval", "Reconstruction and splice metrics (CE loss score, KL) of an SAE in SAELens format."

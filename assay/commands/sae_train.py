@@ -1,4 +1,4 @@
-"""`assay sae train`: a sparse autoencoder on a model's activations at one module, then its
+"""`assay sae train`: sparse autoencoders (or transcoders) on a model's activations, then each one's
 feature browser (OUT/features.json, what `assay report` shows).
 
 The command's config extends the library's `SaeTrainConfig` by the two browser options (a
@@ -30,7 +30,7 @@ from assay.sae.train import sae_specs, train_sae
 
 @dataclass
 class SaeTrainCommandConfig(SaeTrainConfig):
-    """Train a sparse autoencoder on a model's activations at one module, then its feature browser."""
+    """Train SAEs (or transcoders) on a model's activations, then each one's feature browser."""
 
     browser_latents: int = 32
     """Latents in the feature browser written to OUT/features.json: the first live ones by index

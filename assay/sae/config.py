@@ -124,7 +124,8 @@ class SaeArchConfig:
 
 @dataclass
 class SaeTrainConfig:
-    """Train a sparse autoencoder on a language model's activations at one module."""
+    """Train sparse autoencoders (or transcoders) on a language model's activations: one module, or
+    several and several widths / k from one pass of the model."""
 
     LEGACY_DEFAULTS: ClassVar[dict[str, object]] = {"optimizer": "adam", "signum_encoder_step": 2**-0.5}
     """Saved configs from before --optimizer trained with Adam, and from before
