@@ -21,7 +21,8 @@ one scale (bench_sae_common.py). Every trained SAE is saved in the SAELens forma
 DIR/saes/, and `score` evaluates them all with one implementation (assay.sae.ground_truth):
 MCC, F1 and its chance level, L0, FVU and the dead fraction on the evaluation samples; tokens/s
 of the SAE step. `score --at_l0 L` also scores the BatchTopK-type SAEs at equal sparsity: each
-inference threshold scaled until the evaluation L0 is L (scoring: sae_synthetic_scoring.py).
+inference threshold scaled until the evaluation L0 is L; `score --training_rule` scores them by
+batch top-k over evaluation batches, as SynthSAEBench's runner does (sae_synthetic_scoring.py).
 
 The SAEs are initialised from torch's generator seeded with --init_seed, never --seed: SAELens
 draws the true dictionary from a generator seeded with --seed, and assay's start (normalised
@@ -386,6 +387,11 @@ def main() -> None:
     p.add_argument(
         "--decoder_as_encoder", action="store_true",
         help="score --at_l0: also score each threshold SAE with its decoder's directions as its encoder",
+    )  # fmt: skip
+    p.add_argument(
+        "--training_rule", action="store_true",
+        help="score: also score the threshold SAEs by their training rule (batch top-k over evaluation "
+        "batches of --batch), as SynthSAEBench's runner scores them",
     )  # fmt: skip
     p.add_argument(
         "--init_seed", type=int, default=1, help="the SAEs' initialisation (never --seed: see the docstring)"

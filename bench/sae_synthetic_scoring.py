@@ -6,7 +6,9 @@ scores the BatchTopK-type SAEs at equal sparsity: each inference threshold scale
 evaluation L0 is L. `--decoder_as_encoder` adds, at each such L0, the same SAEs with their
 decoder's directions as their encoder (each row at its encoder row's norm, no encoder bias):
 what the dictionary alone detects there, so that an F1 gap can be told apart as the encoder's
-or the dictionary's.
+or the dictionary's. `--training_rule` also scores them as SynthSAEBench scores them: its
+runner evaluates the training SAE, whose encoding keeps the k·B largest activations of each
+evaluation batch of B (the training batch size), not the saved threshold.
 """
 
 from __future__ import annotations
@@ -63,6 +65,26 @@ def at_equal_l0(sae: Any, gt: dict[str, torch.Tensor], target: float) -> tuple[f
     return factor, detection_metrics(sae, gt)
 
 
+class TrainingRule:
+    """A saved BatchTopK-type SAE that encodes by the rule it trained with: the k·B largest
+    ReLU'd pre-activations of a batch of B samples (SAELens's `BatchTopK` activation, which its
+    SynthSAEBench runner scores), instead of its saved inference threshold. Everything else is
+    the SAE's own."""
+
+    def __init__(self, sae: Any, k: int):
+        self.sae, self.k = sae, k
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.sae, name)
+
+    @torch.no_grad()
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        acts = self.sae.pre_acts(x).relu()
+        flat = acts.flatten()
+        kept = flat.topk(self.k * x.shape[0])
+        return torch.zeros_like(flat).scatter_(0, kept.indices, kept.values).view_as(acts)
+
+
 @torch.no_grad()
 def decoder_as_encoder(sae: Any) -> Any:
     """`sae` with each encoder row replaced by its decoder row's direction at the encoder row's
@@ -97,6 +119,31 @@ def score_at_l0(args: argparse.Namespace, gt: dict[str, torch.Tensor], latest: d
                 )
 
 
+def score_by_training_rule(
+    args: argparse.Namespace, gt: dict[str, torch.Tensor], latest: dict[str, dict]
+) -> None:
+    """The threshold SAEs (BatchTopK, Matryoshka) of both libraries scored by their training rule
+    over evaluation batches of --batch, as SynthSAEBench scores them (MCC reads only the decoder:
+    the main table's)."""
+    from assay.sae.ground_truth import detection_metrics
+    from assay.sae.saelens_format import load_sae
+
+    k = true_k(args.data)
+    print(
+        f"\nby the training rule: the {k}·B largest activations of each evaluation batch of B = {args.batch}",
+        flush=True,
+    )
+    print("| architecture | library | precision | F1 | F1 chance | L0 | FVU | dead (eval) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name in sorted(n for n in latest if latest[n]["arch"] in ("batchtopk", "matryoshka")):
+        r = latest[name]
+        m = detection_metrics(TrainingRule(load_sae(args.data / "saes" / name)[0], k), gt, args.batch)
+        print(
+            f"| {r['arch']} | {r['library']} | {r['precision']} | {m['f1']:.3f} | {m['f1_chance']:.3f} | "
+            f"{m['l0']:.1f} | {m['fvu']:.3f} | {m['dead_fraction_eval']:.1%} |"
+        )
+
+
 def score(args: argparse.Namespace) -> None:
     from assay.sae.ground_truth import load_ground_truth
 
@@ -127,3 +174,5 @@ def score(args: argparse.Namespace) -> None:
         )
     if args.at_l0:
         score_at_l0(args, gt, latest)
+    if args.training_rule:
+        score_by_training_rule(args, gt, latest)
