@@ -44,6 +44,7 @@ from bench_sae_common import scale_of  # noqa: E402
 from bench_sae_synthetic import ARCHS, save_saelens, synthetic_config, train_assay, train_saelens  # noqa: E402
 from machine import header, machine  # noqa: E402
 from profiling import profile_table  # noqa: E402
+from sae_synthetic_scoring import TrainingRule  # noqa: E402
 
 PROBE_STEPS = 12  # a throwaway SAE's steps to measure the step rate (Timer skips the first 5)
 
@@ -107,12 +108,16 @@ def mcc_job(decoder: torch.Tensor, features: torch.Tensor) -> float:
 
 
 def score(
-    sae: Any, gt: dict[str, torch.Tensor], pool: ProcessPoolExecutor
-) -> tuple[dict[str, float], Future]:
-    """Detection metrics now (on the device); the MCC as a future from the CPU pool."""
+    sae: Any, gt: dict[str, torch.Tensor], pool: ProcessPoolExecutor, arch: str, k: int, batch: int
+) -> tuple[dict[str, Any], Future]:
+    """Detection metrics now (on the device); the MCC as a future from the CPU pool. BatchTopK
+    kinds also by their training rule over evaluation batches of `batch`, as SynthSAEBench's
+    runner scores them (`metrics["training_rule"]`; the published table's figures)."""
     from assay.sae.ground_truth import detection_metrics
 
-    metrics = detection_metrics(sae, gt)
+    metrics: dict[str, Any] = dict(detection_metrics(sae, gt))
+    if arch in ("batchtopk", "matryoshka"):
+        metrics["training_rule"] = detection_metrics(TrainingRule(sae, k), gt, batch)
     mcc = pool.submit(mcc_job, sae.W_dec.detach().float().cpu(), gt["feature_vectors"].cpu())
     return metrics, mcc
 
@@ -182,7 +187,7 @@ def run_assay(args, arch, model, scale, first, gt, steps, k, pool) -> tuple[dict
     with averaged(opt):  # signum: the averaged point, as assay saves it
         calibrate_threshold(sae, last)
         sae.act_scale.fill_(scale)  # the stream was scaled: score on raw activations
-        metrics, mcc = score(sae, gt, pool)
+        metrics, mcc = score(sae, gt, pool, arch, k, args.batch)
     return rec, metrics, mcc
 
 
@@ -194,7 +199,7 @@ def run_saelens(args, arch, model, scale, first, gt, steps, k, pool) -> tuple[di
     with tempfile.TemporaryDirectory() as folder:
         save_saelens(sae, scale, Path(folder))
         loaded, _ = load_sae(folder)
-    metrics, mcc = score(loaded.to(args.device), gt, pool)
+    metrics, mcc = score(loaded.to(args.device), gt, pool, arch, k, args.batch)
     return rec, metrics, mcc
 
 

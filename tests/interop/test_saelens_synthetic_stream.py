@@ -71,6 +71,10 @@ def test_the_streamed_benchmark_trains_both_libraries_on_the_copy(copy: Path, tm
             assert run["precision"] == "bf16" and 0 < metrics["mcc"] <= 1 and 0 <= metrics["f1"] <= 1
             assert 0 < metrics["fvu"] < 100 and metrics["l0"] > 0
         assert runs[0]["metrics"]["fvu"] < 1  # assay's; SAELens's can still be above 1 after 12 steps
+    for library in ("assay", "saelens"):  # BatchTopK also as SynthSAEBench scores it: L0 = k exactly
+        rule = result["runs"][f"{library}-batchtopk"]["metrics"]["training_rule"]
+        assert rule["l0"] == result["k"] and 0 <= rule["f1"] <= 1
+    assert "training_rule" not in result["runs"]["assay-jumprelu"]["metrics"]
 
 
 def test_the_copy_is_what_the_benchmark_imports(copy: Path) -> None:
