@@ -65,26 +65,6 @@ def at_equal_l0(sae: Any, gt: dict[str, torch.Tensor], target: float) -> tuple[f
     return factor, detection_metrics(sae, gt)
 
 
-class TrainingRule:
-    """A saved BatchTopK-type SAE that encodes by the rule it trained with: the k·B largest
-    ReLU'd pre-activations of a batch of B samples (SAELens's `BatchTopK` activation, which its
-    SynthSAEBench runner scores), instead of its saved inference threshold. Everything else is
-    the SAE's own."""
-
-    def __init__(self, sae: Any, k: int):
-        self.sae, self.k = sae, k
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.sae, name)
-
-    @torch.no_grad()
-    def encode(self, x: torch.Tensor) -> torch.Tensor:
-        acts = self.sae.pre_acts(x).relu()
-        flat = acts.flatten()
-        kept = flat.topk(self.k * x.shape[0])
-        return torch.zeros_like(flat).scatter_(0, kept.indices, kept.values).view_as(acts)
-
-
 @torch.no_grad()
 def decoder_as_encoder(sae: Any) -> Any:
     """`sae` with each encoder row replaced by its decoder row's direction at the encoder row's
@@ -125,7 +105,7 @@ def score_by_training_rule(
     """The threshold SAEs (BatchTopK, Matryoshka) of both libraries scored by their training rule
     over evaluation batches of --batch, as SynthSAEBench scores them (MCC reads only the decoder:
     the main table's)."""
-    from assay.sae.ground_truth import detection_metrics
+    from assay.sae.ground_truth import BatchTopKEncoding, detection_metrics
     from assay.sae.saelens_format import load_sae
 
     k = true_k(args.data)
@@ -137,7 +117,7 @@ def score_by_training_rule(
     print("|---|---|---|---|---|---|---|---|")
     for name in sorted(n for n in latest if latest[n]["arch"] in ("batchtopk", "matryoshka")):
         r = latest[name]
-        m = detection_metrics(TrainingRule(load_sae(args.data / "saes" / name)[0], k), gt, args.batch)
+        m = detection_metrics(BatchTopKEncoding(load_sae(args.data / "saes" / name)[0], k), gt, args.batch)
         print(
             f"| {r['arch']} | {r['library']} | {r['precision']} | {m['f1']:.3f} | {m['f1_chance']:.3f} | "
             f"{m['l0']:.1f} | {m['fvu']:.3f} | {m['dead_fraction_eval']:.1%} |"

@@ -44,7 +44,6 @@ from bench_sae_common import scale_of  # noqa: E402
 from bench_sae_synthetic import ARCHS, save_saelens, synthetic_config, train_assay, train_saelens  # noqa: E402
 from machine import header, machine  # noqa: E402
 from profiling import profile_table  # noqa: E402
-from sae_synthetic_scoring import TrainingRule  # noqa: E402
 
 PROBE_STEPS = 12  # a throwaway SAE's steps to measure the step rate (Timer skips the first 5)
 
@@ -113,11 +112,11 @@ def score(
     """Detection metrics now (on the device); the MCC as a future from the CPU pool. BatchTopK
     kinds also by their training rule over evaluation batches of `batch`, as SynthSAEBench's
     runner scores them (`metrics["training_rule"]`; the published table's figures)."""
-    from assay.sae.ground_truth import detection_metrics
+    from assay.sae.ground_truth import BatchTopKEncoding, detection_metrics
 
     metrics: dict[str, Any] = dict(detection_metrics(sae, gt))
     if arch in ("batchtopk", "matryoshka"):
-        metrics["training_rule"] = detection_metrics(TrainingRule(sae, k), gt, batch)
+        metrics["training_rule"] = detection_metrics(BatchTopKEncoding(sae, k), gt, batch)
     mcc = pool.submit(mcc_job, sae.W_dec.detach().float().cpu(), gt["feature_vectors"].cpu())
     return metrics, mcc
 

@@ -360,8 +360,18 @@ class SaeEvalConfig:
     """Score against known features instead of splicing into a model: a ground-truth file
     (safetensors: feature_vectors, eval_acts, eval_fires; bench/bench_sae_synthetic.py writes
     one) gives MCC, F1, precision, recall, L0, FVU and the dead fraction (docs/sae.md)."""
+    ground_truth_batch: int = 4096
+    """Evaluation samples per batch with --ground_truth (the B of --batch_topk's k·B)."""
+    batch_topk: int | None = None
+    """With --ground_truth: encode by batch top-k with this k, the k·B largest activations of each
+    evaluation batch, instead of the SAE's saved rule: how BatchTopK and Matryoshka SAEs train,
+    and how SynthSAEBench scores them (its published figures; set it to their training k)."""
 
     def __post_init__(self) -> None:
         check_sae_precision(self.runtime.precision)
         if self.eval_contexts <= 0:
             raise AssayError("--eval_contexts must be positive")
+        if self.ground_truth_batch <= 0 or (self.batch_topk is not None and self.batch_topk <= 0):
+            raise AssayError("--ground_truth_batch and --batch_topk must be positive")
+        if self.batch_topk is not None and not self.ground_truth:
+            raise AssayError("--batch_topk scores against known features: pass --ground_truth FILE too")

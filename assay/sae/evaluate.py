@@ -29,7 +29,7 @@ from assay.lm.losses import token_losses
 from assay.lm.models import load_model, load_tokenizer, setup_runtime
 from assay.sae.activations import pack_contexts
 from assay.sae.config import SaeEvalConfig
-from assay.sae.ground_truth import ground_truth_metrics, load_ground_truth
+from assay.sae.ground_truth import BatchTopKEncoding, ground_truth_metrics, load_ground_truth
 from assay.sae.metrics import ReconstructionStats
 from assay.sae.model import SparseAutoencoder
 from assay.sae.saelens_format import load_sae
@@ -160,15 +160,25 @@ def _trained_on(cfg: SaeEvalConfig, meta: dict[str, Any]) -> str:
     return str(name)
 
 
+def _against_ground_truth(cfg: SaeEvalConfig, sae: SparseAutoencoder, path: str, out: Path) -> dict[str, Any]:
+    """MCC, F1 and the rest against the known features of `path` (eval.json written)."""
+    k = cfg.batch_topk
+    metrics = ground_truth_metrics(
+        sae if k is None else BatchTopKEncoding(sae, k), load_ground_truth(path), cfg.ground_truth_batch
+    )
+    rule = {} if k is None else {"batch_topk": k, "batch": cfg.ground_truth_batch}
+    write_json(out, {"sae": str(cfg.sae_dir), "ground_truth": path, **rule, **metrics})
+    how = "" if k is None else f", encoded by batch top-k (k = {k})"
+    return {"about": f"SAE {cfg.sae_dir} against the features of {path}{how}", **metrics}
+
+
 def evaluate_sae(cfg: SaeEvalConfig) -> dict[str, Any]:
     """Load an SAE folder, splice it into the model (or score it against a ground-truth file),
     save the metrics (eval.json) and return them with what was measured (`"about"`)."""
     sae, meta = load_sae(cfg.sae_dir)
     out = metrics_path(cfg)
     if cfg.ground_truth:
-        metrics = ground_truth_metrics(sae, load_ground_truth(cfg.ground_truth))
-        write_json(out, {"sae": str(cfg.sae_dir), "ground_truth": cfg.ground_truth, **metrics})
-        return {"about": f"SAE {cfg.sae_dir} against the features of {cfg.ground_truth}", **metrics}
+        return _against_ground_truth(cfg, sae, cfg.ground_truth, out)
     hookpoint = cfg.hookpoint or meta.get("hook_name")
     if not hookpoint:
         raise AssayError(f"{cfg.sae_dir}/cfg.json names no hook; pass --hookpoint MODULE_NAME")

@@ -187,6 +187,29 @@ def load_ground_truth(path: Path | str) -> dict[str, Tensor]:
     return gt
 
 
+class BatchTopKEncoding:
+    """An SAE that encodes each batch by batch top-k: the k·B largest ReLU'd pre-activations of a
+    batch of B samples (SAELens's `BatchTopK` activation), instead of its own inference rule.
+
+    BatchTopK and Matryoshka SAEs train with this rule and are saved with a threshold that stands
+    in for it; SynthSAEBench's runner scores the training SAE, so its published figures are at
+    L0 = k whatever the saved threshold is (docs/sae.md, "Ground truth"). Everything but `encode`
+    is the wrapped SAE's own."""
+
+    def __init__(self, sae: Any, k: int):
+        self.sae, self.k = sae, k
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.sae, name)
+
+    @torch.no_grad()
+    def encode(self, x: Tensor) -> Tensor:
+        acts = self.sae.pre_acts(x).relu()
+        flat = acts.flatten()
+        kept = flat.topk(min(self.k * x.shape[0], flat.numel()))
+        return torch.zeros_like(flat).scatter_(0, kept.indices, kept.values).view_as(acts)
+
+
 def ground_truth_metrics(sae: Any, gt: dict[str, Tensor], batch: int = 4096) -> dict[str, float]:
     """MCC, F1 (precision, recall, accuracy), L0, FVU and the dead fraction (latents that never
     fire on the evaluation samples) of an SAE on raw activations (act_scale folded or applied)."""

@@ -39,14 +39,15 @@ def test_mcc_and_classification_equal_saelens() -> None:
     assert ours.accuracy == pytest.approx(theirs.accuracy, rel=1e-5)
 
 
-def test_training_rule_encodes_as_saelens_batchtopk(tmp_path) -> None:
-    """`bench_sae_synthetic.py score --training_rule`: a saved BatchTopK SAE, loaded back, encodes
-    as SAELens's own `BatchTopK` activation does (what its SynthSAEBench runner scores), the k·B
-    largest activations of the batch, not by its saved threshold."""
+def test_batch_topk_encoding_is_saelens_batchtopk(tmp_path) -> None:
+    """`assay sae eval --batch_topk K` and `bench_sae_synthetic.py score --training_rule`: a saved
+    BatchTopK SAE, loaded back, encodes as SAELens's own `BatchTopK` activation does (what its
+    SynthSAEBench runner scores), the k·B largest activations of the batch, not by its saved
+    threshold."""
     from sae_lens.saes.batchtopk_sae import BatchTopK
 
+    from assay.sae.ground_truth import BatchTopKEncoding
     from assay.sae.saelens_format import load_sae, save_sae
-    from bench.sae_synthetic_scoring import TrainingRule
     from tests.helpers import make_sae
 
     saved = make_sae("batchtopk", d_in=16, d_sae=96, k=3)
@@ -54,6 +55,6 @@ def test_training_rule_encodes_as_saelens_batchtopk(tmp_path) -> None:
     save_sae(tmp_path / "sae", saved, {"hook_name": "synthetic"})
     sae = load_sae(tmp_path / "sae")[0]
     x = torch.randn(64, 16)
-    ours = TrainingRule(sae, 3).encode(x)
+    ours = BatchTopKEncoding(sae, 3).encode(x)
     assert torch.equal(ours, BatchTopK(3)(sae.pre_acts(x)))
     assert int((ours != 0).sum()) == 3 * 64 and not torch.equal(ours, sae.encode(x))

@@ -174,6 +174,40 @@ def test_ground_truth_metrics_and_the_eval_command(tmp_path, capsys) -> None:  #
     assert "mcc" in capsys.readouterr().out
 
 
+def test_batch_topk_encoding_keeps_the_k_b_largest_of_each_batch(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """`assay sae eval --ground_truth F --batch_topk K`: each evaluation batch of B keeps its K·B
+    largest ReLU'd pre-activations (explicitly: those at or above the K·B-th largest value), so the
+    L0 is K exactly, whatever the saved threshold; without --ground_truth it is one line."""
+    import json
+
+    from assay.cli import main
+    from assay.sae.ground_truth import BatchTopKEncoding
+    from assay.sae.saelens_format import save_sae
+    from tests.helpers import make_sae
+
+    sae = make_sae("batchtopk", d_in=5, d_sae=12, k=2)
+    sae.threshold().fill_(1e6)  # a saved threshold nothing reaches: only the rule can fire latents
+    x = torch.randn(70, 5, generator=torch.Generator().manual_seed(1))
+    for batch in (x[:64], x[64:]):  # a full and an uneven last batch
+        pre = sae.pre_acts(batch).relu()
+        cut = pre.flatten().sort(descending=True).values[2 * len(batch) - 1]
+        expected = torch.where(pre >= cut, pre, torch.zeros_like(pre))
+        assert torch.equal(BatchTopKEncoding(sae, 2).encode(batch), expected)
+    features = torch.randn(4, 5, generator=torch.Generator().manual_seed(2))
+    gt = {"feature_vectors": features, "eval_acts": x, "eval_fires": torch.rand(70, 4) < 0.3}
+    save_sae(tmp_path / "sae", sae, {"hook_name": "synthetic"})
+    save_file({k: v.contiguous() for k, v in gt.items()}, str(tmp_path / "gt.safetensors"))
+    args = ["sae", "eval", str(tmp_path / "sae"), "--ground_truth", str(tmp_path / "gt.safetensors")]
+    assert main([*args, "--batch_topk", "2", "--ground_truth_batch", "64"]) == 0
+    saved = json.loads((tmp_path / "sae" / "eval.json").read_text())
+    assert saved["l0"] == pytest.approx(2.0) and saved["batch_topk"] == 2 and saved["batch"] == 64
+    assert main([*args, "--overwrite"]) == 0  # the saved threshold: nothing fires
+    assert json.loads((tmp_path / "sae" / "eval.json").read_text())["l0"] == 0
+    capsys.readouterr()
+    assert main(["sae", "eval", str(tmp_path / "sae"), "--batch_topk", "2"]) == 2
+    assert "pass --ground_truth" in capsys.readouterr().err
+
+
 def test_the_assignment_solver_is_scipys_where_installed_and_ours_otherwise(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
