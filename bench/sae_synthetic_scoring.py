@@ -25,6 +25,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_sae_common import machine  # noqa: E402
 
 ARCHS = ("topk", "batchtopk", "matryoshka", "jumprelu", "relu")
+BATCH_TOPK_KINDS = ("batchtopk", "matryoshka")
+"""Trained by batch top-k and saved with a threshold in its place (--at_l0, --training_rule)."""
 
 
 def true_k(data: Path) -> int:
@@ -86,7 +88,7 @@ def score_at_l0(args: argparse.Namespace, gt: dict[str, torch.Tensor], latest: d
     print("|---:|---|---|---|---:|---|---|---|---|---|")
     encoders = ("own", "decoder") if args.decoder_as_encoder else ("own",)
     for target in args.at_l0:
-        for name in sorted(n for n in latest if latest[n]["arch"] in ("batchtopk", "matryoshka")):
+        for name in sorted(n for n in latest if latest[n]["arch"] in BATCH_TOPK_KINDS):
             r = latest[name]
             for encoder in encoders:
                 sae = load_sae(args.data / "saes" / name)[0]
@@ -115,7 +117,7 @@ def score_by_training_rule(
     )
     print("| architecture | library | precision | F1 | F1 chance | L0 | FVU | dead (eval) |")
     print("|---|---|---|---|---|---|---|---|")
-    for name in sorted(n for n in latest if latest[n]["arch"] in ("batchtopk", "matryoshka")):
+    for name in sorted(n for n in latest if latest[n]["arch"] in BATCH_TOPK_KINDS):
         r = latest[name]
         m = detection_metrics(BatchTopKEncoding(load_sae(args.data / "saes" / name)[0], k), gt, args.batch)
         print(

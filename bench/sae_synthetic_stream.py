@@ -44,6 +44,7 @@ from bench_sae_common import scale_of  # noqa: E402
 from bench_sae_synthetic import ARCHS, save_saelens, synthetic_config, train_assay, train_saelens  # noqa: E402
 from machine import header, machine  # noqa: E402
 from profiling import profile_table  # noqa: E402
+from sae_synthetic_scoring import BATCH_TOPK_KINDS  # noqa: E402
 
 PROBE_STEPS = 12  # a throwaway SAE's steps to measure the step rate (Timer skips the first 5)
 
@@ -115,7 +116,7 @@ def score(
     from assay.sae.ground_truth import BatchTopKEncoding, detection_metrics
 
     metrics: dict[str, Any] = dict(detection_metrics(sae, gt))
-    if arch in ("batchtopk", "matryoshka"):
+    if arch in BATCH_TOPK_KINDS:
         metrics["training_rule"] = detection_metrics(BatchTopKEncoding(sae, k), gt, batch)
     mcc = pool.submit(mcc_job, sae.W_dec.detach().float().cpu(), gt["feature_vectors"].cpu())
     return metrics, mcc
