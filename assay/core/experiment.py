@@ -26,6 +26,7 @@ from assay.core.runs import (
     first_difference,
     lock_file,
     read_json,
+    refuse_inputs_inside,
     write_json,
 )
 
@@ -41,6 +42,7 @@ def open_experiment(
     validated against a ground truth made once) instead of being refused."""
     root = Path(out).resolve()
     folder = RunFolder(root, command, cfg, overwrite)
+    refuse_inputs_inside(root, folder.record["config"])
     if root.exists() and not (root / CONFIG_FILE).exists() and not (root / DONE_FILE).exists():
         raise AssayError(f"{root} exists and is not an assay {command} experiment; choose another folder")
     _lock_experiment(root)  # before anything is removed or written: one process per experiment

@@ -84,7 +84,7 @@ def write_json(path: Path, obj: Any) -> None:
     writers of one path each replace it whole (the last one stays)."""
     tmp = _writer_tmp(path)
     tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
-    os.replace(tmp, path)
+    _replace(tmp, path)
 
 
 def write_jsonl(path: Path, records: list[dict[str, Any]]) -> None:
@@ -93,7 +93,18 @@ def write_jsonl(path: Path, records: list[dict[str, Any]]) -> None:
     with open(tmp, "w") as f:
         for record in records:
             f.write(json.dumps(record, allow_nan=False) + "\n")
-    os.replace(tmp, path)
+    _replace(tmp, path)
+
+
+def _replace(tmp: Path, path: Path) -> None:
+    """Move a written temporary file into place; on failure (e.g. `path` is a folder) remove it."""
+    try:
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        if path.is_dir():
+            raise AssayError(f"{path} is a folder; give a file path to write the results to") from None
+        raise e
 
 
 def read_json(path: Path) -> Any:
@@ -127,6 +138,10 @@ def config_from_dict(cls: type, data: dict[str, Any], trust_remote_code: bool = 
         if f.name == "trust_remote_code":
             kwargs[f.name] = trust_remote_code
         elif f.name in data:
+            if not _fits(hints[f.name], data[f.name]):
+                kind = _strip_annotated(hints[f.name])
+                name = kind.__name__ if isinstance(kind, type) else kind
+                raise AssayError(f"--{f.name} {data[f.name]!r} is not of type {name}")
             kwargs[f.name] = _from_json(hints[f.name], data[f.name], trust_remote_code)
         elif f.name in legacy:
             kwargs[f.name] = legacy[f.name]
@@ -144,6 +159,33 @@ def _from_json(tp: Any, value: Any, trust_remote_code: bool) -> Any:
             if dataclasses.is_dataclass(_strip_annotated(arg)):
                 return _from_json(arg, value, trust_remote_code)
     return value
+
+
+def _fits(tp: Any, value: Any) -> bool:
+    """Whether a JSON value can be a field of type `tp` (numbers, strings, flags, their lists and
+    tuples, literals, nested configs); other types are not checked here."""
+    tp = _strip_annotated(tp)
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(arg, value) for arg in args)
+    if origin is typing.Literal:
+        return value in args
+    if tp is type(None):
+        return value is None
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp in (int, float):
+        return isinstance(value, (int, float) if tp is float else int) and not isinstance(value, bool)
+    if tp is str:
+        return isinstance(value, str)
+    if origin in (tuple, list):
+        if not isinstance(value, list):
+            return False
+        inner = args[:1] * len(value) if origin is list or args[-1:] == (...,) else args
+        return len(inner) == len(value) and all(_fits(a, v) for a, v in zip(inner, value))
+    if dataclasses.is_dataclass(tp):
+        return isinstance(value, dict)
+    return True
 
 
 def _strip_annotated(tp: Any) -> Any:
@@ -201,7 +243,14 @@ class RunFolder:
         self._lock_fd: int | None = None
 
     def open(self) -> RunFolder:
-        """Lock and create `OUT.part/` (or resume it), refusing to clobber a finished run."""
+        """Lock and create `OUT.part/` (or resume it), refusing to clobber a finished run, a
+        path that is not an assay run, or one that holds the run's own inputs."""
+        refuse_inputs_inside(self.final, self.record["config"])
+        if self.final.exists() and not is_run_folder(self.final):
+            raise AssayError(
+                f"{self.final} exists and is not an assay run; assay replaces only its own runs: "
+                "move it away or choose another output folder"
+            )
         created = self._lock()
         try:
             if (self.final / DONE_FILE).exists() and not self.overwrite:
@@ -211,9 +260,9 @@ class RunFolder:
                 )
             if self.final.exists() and not (self.final / DONE_FILE).exists() and not self.overwrite:
                 raise AssayError(
-                    f"{self.final} exists and is not a finished assay run; pass --overwrite to replace "
-                    "it (`assay replay "
-                    f"{self.final} --overwrite` reruns its config.json) or choose another folder"
+                    f"{self.final} holds an unfinished assay run; pass --overwrite to replace it "
+                    f"(`assay replay {self.final} --overwrite` reruns its config.json) or choose "
+                    "another folder"
                 )
             if not created and self.holds_work():
                 self._check_resumable()
@@ -308,6 +357,41 @@ class RunFolder:
         self.close()
         shutil.rmtree(old, ignore_errors=True)
         return self.final
+
+
+def is_run_folder(path: Path) -> bool:
+    """Whether `path` is a folder assay wrote: a finished run, or one with its config.json."""
+    return path.is_dir() and ((path / DONE_FILE).exists() or (path / CONFIG_FILE).exists())
+
+
+def refuse_inputs_inside(out: Path, config: dict[str, Any]) -> None:
+    """Refuse an output location that is, or holds, a path the run reads (a model, dataset or
+    index named in its config): replacing OUT would delete that input."""
+    target = Path(out).resolve()
+    for key, value in _path_values(config):
+        held = Path(value).expanduser()
+        if not held.exists():
+            continue
+        held = held.resolve()
+        if held == target or target in held.parents:
+            where = "is" if held == target else "holds"
+            raise AssayError(
+                f"{out} {where} an input of this run (--{key} {value}): writing the results there "
+                "would delete it; choose another output folder"
+            )
+
+
+def _path_values(config: Any, key: str = "") -> Iterator[tuple[str, str]]:
+    """(option, value) of every non-empty string in a config, but its own output location."""
+    if isinstance(config, dict):
+        for name, value in config.items():
+            if name != "out":
+                yield from _path_values(value, name)
+    elif isinstance(config, list):
+        for value in config:
+            yield from _path_values(value, key)
+    elif isinstance(config, str) and config:
+        yield key, config
 
 
 def lock_file(lock: Path, busy: str) -> int:
@@ -407,5 +491,8 @@ def load_run_config(run_dir: Path | str) -> dict[str, Any]:
     run_dir = Path(run_dir)
     for candidate in (run_dir, run_dir.with_name(run_dir.name + PART)):
         if (candidate / CONFIG_FILE).exists():
-            return typing.cast(dict[str, Any], read_json(candidate / CONFIG_FILE))
+            saved = read_json(candidate / CONFIG_FILE)
+            if not isinstance(saved, dict):
+                raise AssayError(f"{candidate / CONFIG_FILE} is not a run's config (a JSON object)")
+            return saved
     raise AssayError(f"{run_dir} is not an assay run folder (no {CONFIG_FILE})")

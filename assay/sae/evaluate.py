@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 from pathlib import Path
 from typing import Any
 
@@ -143,11 +144,27 @@ def metrics_path(cfg: SaeEvalConfig) -> Path:
     """Where eval.json goes; an existing one is refused before any work unless --overwrite (the
     metrics of an earlier evaluation are results too)."""
     out = Path(cfg.out) if cfg.out else Path(cfg.sae_dir) / "eval.json"
+    if out.is_dir():
+        raise AssayError(f"--out {out} is a folder; give the file to write the metrics to")
+    if out.exists() and not _earlier_evaluation(out):
+        raise AssayError(
+            f"{out} exists and is not the metrics of an earlier `assay sae eval`, so assay "
+            "leaves it alone: choose another --out FILE"
+        )
     if out.exists() and not cfg.overwrite:
         raise AssayError(
-            f"{out} exists (an earlier evaluation); pass --overwrite to replace it or --out FILE"
+            f"{out} holds an earlier evaluation's metrics; pass --overwrite to replace them or --out FILE"
         )
     return out
+
+
+def _earlier_evaluation(path: Path) -> bool:
+    """Whether `path` is an eval.json this command wrote (a JSON object naming its SAE)."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(record, dict) and "sae" in record
 
 
 def _trained_on(cfg: SaeEvalConfig, meta: dict[str, Any]) -> str:
