@@ -148,15 +148,19 @@ def replay(args: list[str]) -> Any:
     )
     saved = load_run_config(cfg.run_dir)
     command = saved.get("command")
-    if command not in COMMANDS or not isinstance(saved.get("config"), dict):
+    if command not in COMMANDS:
         raise AssayError(f"{cfg.run_dir} was made by an unknown command {command!r}")
+    if not isinstance(saved.get("config"), dict):
+        raise AssayError(
+            f'{cfg.run_dir}: its config.json holds no settings ("config"); it cannot be replayed'
+        )
     config_cls, run = load(COMMANDS[command])
     data = dict(saved["config"])
     data["out"] = cfg.out if cfg.out is not None else _folder_of(cfg.run_dir)
     data["overwrite"] = cfg.overwrite
     try:  # only this command line may allow a model's own code, never the saved JSON
         config = config_from_dict(config_cls, data, trust_remote_code=cfg.trust_remote_code)
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, AssayError) as e:
         raise AssayError(f"{cfg.run_dir}: its config.json does not fit `assay {command}` ({e})") from None
     note(f"replaying `assay {command}` into {data['out']}")
     return run(config)

@@ -6,6 +6,8 @@ Each command's config nests these (flags appear without a prefix: `--model`, `--
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -203,3 +205,14 @@ class QueryConfig:
 def is_single_file(dataset: str) -> bool:
     """Whether a --dataset value names one local file (then it is one split, `train`)."""
     return Path(dataset).is_file()
+
+
+def refuse_non_finite(cfg: object) -> None:
+    """NaN and inf mean nothing as a setting: refuse them in any float field of a config
+    (nested configs check their own)."""
+    for f in dataclasses.fields(cfg):  # type: ignore[arg-type]
+        value = getattr(cfg, f.name)
+        values = value if isinstance(value, (list, tuple)) else [value]
+        for v in values:
+            if isinstance(v, float) and not math.isfinite(v):
+                raise AssayError(f"--{f.name} must be a finite number, got {v}")

@@ -26,7 +26,7 @@ from typing import Any, Literal
 import numpy as np
 import tyro
 
-from assay.core.config import DataConfig, ModelConfig, QueryConfig, RuntimeConfig
+from assay.core.config import DataConfig, ModelConfig, QueryConfig, RuntimeConfig, refuse_non_finite
 from assay.core.console import note
 from assay.core.distributed import Distributed
 from assay.core.errors import AssayError
@@ -143,8 +143,12 @@ class ValidateConfig:
             raise AssayError(f"--preset_learning_rate must be in (0, 1), got {self.preset_learning_rate}")
         if min(self.pool_size, self.query_size, self.token_batch_size, self.bootstrap) < 1:
             raise AssayError("--pool_size, --query_size, --token_batch_size and --bootstrap must be >= 1")
+        refuse_non_finite(self)
         if min(self.damping, self.replay_from_step, self.projection_dim) < 0:
             raise AssayError("--damping, --replay_from_step and --projection_dim must be >= 0")
+        missing = [path for path in self.scores if not Path(path).exists()]
+        if missing:  # before the fine-tune and the retraining, not after them
+            raise AssayError(f"--scores {missing[0]}: no such score run or .npy file")
 
 
 FREE = (

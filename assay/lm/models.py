@@ -52,9 +52,19 @@ def resolve_device(name: str) -> torch.device:
     """`auto` picks CUDA when present; anything else is checked for availability."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise AssayError(f"--device {name!r} is not a device; use auto, cpu, cuda or cuda:N") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise AssayError(f"device {name!r} asked for but CUDA is not available; use --device cpu")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        count = torch.cuda.device_count()
+        raise AssayError(f"device {name!r} asked for but this machine has {count} CUDA device(s)")
+    backend = torch.backends.mps if device.type == "mps" else getattr(torch, device.type, None)
+    available = getattr(backend, "is_available", lambda: False)
+    if device.type not in ("cpu", "cuda") and not available():
+        raise AssayError(f"device {name!r} is not available here; use --device cpu")
     return device
 
 
@@ -119,7 +129,27 @@ def load_error(what: str, name: str, e: Exception, cfg: ModelSource) -> AssayErr
             f"could not load {what} {name!r}: no such folder; give a model folder, a Hugging Face "
             "model name, or a bundled model (assay-tiny, smollm2-135m)"
         )
+    folder = Path(name).expanduser()
+    if folder.is_dir():
+        missing = _missing_files(folder, what)
+        if missing:
+            return AssayError(f"could not load {what} {name!r}: the folder has no {missing}")
+    elif not _looks_like_path(name):
+        return AssayError(
+            f"could not load {what} {name!r} (no local folder of that name, so it was looked up on "
+            f"the Hugging Face hub): {first_line(e)}"
+        )
     return AssayError(f"could not load {what} {name!r}: {first_line(e)}")
+
+
+def _missing_files(folder: Path, what: str) -> str:
+    """What a model or tokenizer folder lacks to be one ("" when it looks whole)."""
+    if what == "tokenizer":
+        names = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+        return "" if any((folder / n).exists() for n in names) else "tokenizer files (tokenizer.json ...)"
+    if not (folder / "config.json").exists() and not (folder / "adapter_config.json").exists():
+        return "config.json: it is not a Hugging Face model folder"
+    return ""
 
 
 def _looks_like_path(name: str) -> bool:

@@ -11,7 +11,7 @@ from typing import Annotated, ClassVar, Literal
 
 import tyro
 
-from assay.core.config import DataConfig, ModelSource, RuntimeConfig
+from assay.core.config import DataConfig, ModelSource, RuntimeConfig, refuse_non_finite
 from assay.core.errors import AssayError
 from assay.sae.architectures import architecture_class, names
 
@@ -96,10 +96,15 @@ class SaeArchConfig:
 
     def __post_init__(self) -> None:
         architecture_class(self.architecture)  # an AssayError naming the choices
+        refuse_non_finite(self)
         if self.d_sae is not None and self.d_sae <= 0:
             raise AssayError(f"--d_sae must be positive, got {self.d_sae}")
         if self.expansion_factor <= 0 or self.k <= 0:
             raise AssayError("--expansion_factor and --k must be positive")
+        if architecture_class(self.architecture).keeps_k and self.d_sae is not None and self.k > self.d_sae:
+            raise AssayError(f"--k {self.k} exceeds the SAE's {self.d_sae} latents (--d_sae)")
+        if self.aux_k is not None and self.aux_k <= 0:
+            raise AssayError(f"--aux_k must be positive, got {self.aux_k}")
         if min(self.l1_coefficient, self.l0_coefficient, self.aux_coefficient) < 0:
             raise AssayError("sparsity and aux coefficients must be >= 0")
         if self.decoder_init not in ("auto", "unit", "small"):
@@ -216,7 +221,7 @@ class SaeTrainConfig:
     eval_contexts: int = 32
     """Held-out contexts per splice evaluation."""
     checkpoint_every: int = 200
-    """Steps between checkpoints (resume by rerunning the same command)."""
+    """Steps between checkpoints (0: none; resume by rerunning the same command)."""
     autocast_lm: bool = False
     """Run the language model's forward under bf16 autocast too (with --precision bf16)."""
     compile: bool = False
@@ -234,9 +239,19 @@ class SaeTrainConfig:
 
     def __post_init__(self) -> None:
         check_sae_precision(self.runtime.precision)
-        for name in ("training_tokens", "batch_tokens", "context_length", "buffer_batches"):
+        refuse_non_finite(self)
+        positive = ("training_tokens", "batch_tokens", "context_length", "buffer_batches")
+        for name in (*positive, "lm_batch_contexts", "metrics_every"):
             if getattr(self, name) <= 0:
-                raise AssayError(f"--{name} must be positive")
+                raise AssayError(f"--{name} must be positive, got {getattr(self, name)}")
+        if self.learning_rate is not None and not self.learning_rate > 0:
+            raise AssayError(f"--learning_rate must be positive, got {self.learning_rate}")
+        for name in ("grad_clip", "eval_every", "checkpoint_every", "eval_contexts"):
+            if getattr(self, name) < 0:
+                raise AssayError(f"--{name} must be >= 0 (0: off), got {getattr(self, name)}")
+        outputs = [] if self.hookpoint_out is None else [self.hookpoint_out]
+        if any(not name.strip() for name in [self.hookpoint, *self.hookpoints, *outputs]):
+            raise AssayError("--hookpoint must name a module, e.g. model.layers.2")
         if self.training_tokens < self.batch_tokens:
             raise AssayError("--training_tokens must be at least --batch_tokens")
         if self.optimizer not in OPTIMIZERS:

@@ -27,7 +27,7 @@ import numpy as np
 import tyro
 
 from assay.attribution.build import BuildConfig, build_index
-from assay.core.config import DataConfig, ModelConfig, QueryConfig, RuntimeConfig
+from assay.core.config import DataConfig, ModelConfig, QueryConfig, RuntimeConfig, is_single_file
 from assay.core.distributed import Distributed
 from assay.core.errors import AssayError
 from assay.core.experiment import Stages, finish_experiment, open_experiment
@@ -136,8 +136,27 @@ class CoresetConfig:
                 raise AssayError(f"--{name} must be at least 1, got {getattr(self, name)}")
         if not 0.0 < self.fraction < 1.0:
             raise AssayError(f"--fraction must be in (0, 1), got {self.fraction}")
+        for name in ("pool_size", "query_size", "eval_size", "token_batch_size"):
+            if getattr(self, name) < 1:
+                raise AssayError(f"--{name} must be >= 1, got {getattr(self, name)}")
+        if self.projection_dim < 0:  # 0: raw weight gradients, as `assay build` takes it
+            raise AssayError(f"--projection_dim must be >= 0, got {self.projection_dim}")
         if self.query == "eval" and self.preset == "none" and not self.query_dataset:
             raise AssayError("--query eval needs --query_dataset (or use --preset targeted)")
+        if self.preset == "none":
+            self._check_held_out_data()
+
+    def _check_held_out_data(self) -> None:
+        """The tables compare retrained models on held-out loss: refuse a setup without any."""
+        if not self.eval_split:
+            raise AssayError("--eval_split '' leaves no held-out data, and the experiment compares on it")
+        single = is_single_file(self.eval_dataset or self.data.dataset)
+        if single and self.eval_dataset is None and self.eval_filter_column is None:
+            raise AssayError(
+                f"the experiment compares retrained models on held-out loss, and {self.data.dataset} "
+                "is a single file (one split): give held-out rows with --eval_dataset FILE or "
+                "--eval_filter_column/--eval_filter_value (or use --preset)"
+            )
 
 
 @dataclass

@@ -15,7 +15,6 @@ OUT/index from --model/--dataset (with TrackStar's preconditioner statistics).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -54,6 +53,7 @@ from assay.selection.strategies import (
     gradient_features,
 )
 from assay.training.evaluate import mean_token_loss
+from assay.training.subset import read_ids
 
 
 @dataclass
@@ -193,11 +193,29 @@ def pool_index(cfg: FilterConfig, folder: Path) -> tuple[GradientIndex | None, d
     """The index gradient strategies read: --index, or one built (resumably) into OUT/index.
     Under torchrun every rank joins the build (the costly, rank-aware part)."""
     if cfg.index:
-        return open_index(cfg.index), {}
+        index = open_index(cfg.index)
+        refuse_another_pool(cfg, index)
+        return index, {}
     within = cfg.strategy == "balanced" and cfg.within in GRADIENT_MODES
     if not (STRATEGIES[cfg.strategy].needs_index or within or cfg.dedup is not None):
         return None, {}
     return build_index_here(cfg, folder), {"index": str(Path(cfg.out) / "index")}
+
+
+def refuse_another_pool(cfg: FilterConfig, index: GradientIndex) -> None:
+    """With --index the pool and the model are the index's: a --model or --dataset given beside
+    it (not left at its default) must name the same, or the run would record what it never read."""
+    built = index.meta["config"]
+    for option, given, default, own in (
+        ("--model", cfg.model.model, ModelConfig().model, built["model"]["model"]),
+        ("--dataset", cfg.data.dataset, DataConfig().dataset, built["data"]["dataset"]),
+    ):
+        same = given == own or (Path(given).exists() and Path(given).resolve() == Path(own).resolve())
+        if given != default and not same:
+            raise AssayError(
+                f"{option} {given} is not what {index.path} was built from ({own}); with --index the "
+                f"pool and model are the index's: drop {option}, or build an index of {given}"
+            )
 
 
 def pool_scores(cfg: FilterConfig, index: GradientIndex | None, name: str) -> tuple[np.ndarray, np.ndarray]:
@@ -319,7 +337,7 @@ def read_selection(folder: str | Path) -> np.ndarray:
     path = Path(folder) / "selection.jsonl"
     if not path.exists():
         raise AssayError(f"{folder} is not a finished assay filter run (no selection.jsonl)")
-    return np.array([json.loads(line)["id"] for line in path.read_text().splitlines()], dtype=np.int64)
+    return read_ids(path)
 
 
 def overlap(a: np.ndarray, b: np.ndarray) -> float:

@@ -32,20 +32,67 @@ def read_ids(path: str | Path) -> np.ndarray:
     if not path.exists():
         raise AssayError(f"subset file {path} not found")
     if path.suffix == ".npy":
-        ids = np.load(path, allow_pickle=False)
+        ids = _as_ids(np.load(path, allow_pickle=False), path)
     elif path.suffix == ".jsonl":
-        ids = np.array([json.loads(line)["id"] for line in path.read_text().splitlines() if line.strip()])
+        ids = _as_ids([r["id"] for r in selection_records(path)], path)
     elif path.suffix == ".json":
         data = read_json(path)
-        ids = np.asarray(data["ids"] if isinstance(data, dict) else data)
+        if isinstance(data, dict) and "ids" not in data:
+            raise AssayError(f'{path} has no "ids": a .json selection is a list of ids or {{"ids": [...]}}')
+        ids = _as_ids(data["ids"] if isinstance(data, dict) else data, path)
     else:
-        ids = np.array([int(w) for w in path.read_text().split()])
-    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        ids = _as_ids(_text(path).split(), path)
     if len(ids) == 0:
         raise AssayError(f"subset {path} is empty")
     if len(np.unique(ids)) != len(ids):
         raise AssayError(f"subset {path} lists some example ids more than once")
     return ids
+
+
+def selection_records(path: Path) -> list[dict]:
+    """The records of a selection.jsonl, each a JSON object with an "id"."""
+    records = []
+    for n, line in enumerate(_text(path).splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            record = None
+        if not isinstance(record, dict) or "id" not in record:
+            raise AssayError(f'line {n} of {path} is not a record with an "id" (one {{"id": N}} per line)')
+        records.append(record)
+    return records
+
+
+def _as_ids(values: object, path: Path) -> np.ndarray:
+    """Integer example ids (whole numbers; "12" in a .txt), or one line naming the first that is not."""
+    flat = np.asarray(values, dtype=object).reshape(-1)
+    ids = np.empty(len(flat), dtype=np.int64)
+    for i, value in enumerate(flat):
+        try:
+            ids[i] = _integer(value)
+        except (TypeError, ValueError, OverflowError):
+            raise AssayError(f"{path} lists {value!r}, not an example id (ids are whole numbers)") from None
+    return ids
+
+
+def _integer(value: object) -> int:
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError("a boolean is not an id")
+    if isinstance(value, str):
+        return int(value)
+    number = float(value)  # type: ignore[arg-type]
+    if not number.is_integer():
+        raise ValueError("not a whole number")
+    return int(value)  # type: ignore[call-overload]
+
+
+def _text(path: Path) -> str:
+    try:
+        return path.read_text()
+    except UnicodeDecodeError:
+        raise AssayError(f"{path} is not a text file; a selection lists example ids") from None
 
 
 def read_weights(path: str | Path) -> dict[int, float] | None:
@@ -56,10 +103,16 @@ def read_weights(path: str | Path) -> dict[int, float] | None:
         path = path / "selection.jsonl"
     if path.suffix != ".jsonl" or not path.exists():
         return None
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = selection_records(path)
     if not records or "weight" not in records[0]:
         return None
-    weights = {int(r["id"]): float(r["weight"]) for r in records}
+    ids = _as_ids([r["id"] for r in records], path)
+    weights = {}
+    for i, record in zip(ids.tolist(), records):
+        try:
+            weights[i] = float(record["weight"])
+        except (KeyError, TypeError, ValueError):
+            raise AssayError(f'{path}: example {i} has no numeric "weight"; every record needs one') from None
     bad = [i for i, w in weights.items() if not (w > 0 and np.isfinite(w))]
     if bad:
         raise AssayError(f"{path}: example {bad[0]} has weight {weights[bad[0]]}; weights must be positive")

@@ -245,10 +245,14 @@ def test_free_settings_left_at_their_defaults_keep_the_saved_ones(experiment):
     would otherwise expand "no --methods" to every method and compute them all again)."""
     _, cfg, _ = experiment
     saved = json.loads((Path(cfg.out) / "config.json").read_text())["config"]
-    again = validate_mod._with_saved_settings(ValidateConfig(out=cfg.out, scores=("x.npy",)))
+    scores = str(Path(cfg.out).parent / "x.npy")
+    np.save(scores, np.zeros((1, 1)))
+    again = validate_mod._with_saved_settings(ValidateConfig(out=cfg.out, scores=(scores,)))
     assert list(again.methods) == saved["methods"] and again.methods  # the last run's, not none
     assert list(again.index_precisions) == saved["index_precisions"]
-    assert again.scores == ("x.npy",) and again.recipe == cfg.recipe
+    assert again.scores == (scores,) and again.recipe == cfg.recipe
+    with pytest.raises(AssayError, match="no such score run"):  # before any training
+        ValidateConfig(out=cfg.out, scores=(scores + ".missing",))
 
 
 def test_another_recipe_is_refused_by_name(experiment, tiny_model_dir):

@@ -107,6 +107,20 @@ def test_bad_input(pool, tiny_model_dir):
         select(cfg(pool, tiny_model_dir, "noindex", strategy="trackstar", num_examples=2, index=pool["pool"]))
 
 
+def test_a_pool_other_than_the_index_s_is_refused(pool, tiny_model_dir, index):
+    """--index decides the pool: another --dataset beside it would be recorded but never read."""
+    other = pool["root"] / "other.jsonl"
+    other.write_text('{"text": "x"}\n')
+    bad = cfg(pool, tiny_model_dir, "other_pool", strategy="trackstar", num_examples=2, index=index)
+    bad.data = DataConfig(dataset=str(other))
+    with pytest.raises(AssayError, match="is not what .* was built from"):
+        select(bad)
+    bad.model = ModelConfig(model=str(pool["root"]))
+    bad.data = DataConfig(dataset=pool["pool"])
+    with pytest.raises(AssayError, match="--model .* is not what"):
+        select(bad)
+
+
 def test_select_top_breaks_ties_by_id():
     ids, scores = np.array([5, 3, 9, 1]), np.array([1.0, 2.0, 2.0, 0.5])
     assert ids[select_top(ids, scores, 2)].tolist() == [3, 9]

@@ -66,6 +66,8 @@ class Architecture:
     aux_window_default: ClassVar[int | None] = None
     """AuxK's window in tokens under signum with batches of >= 4,096 tokens (None: the
     dead-latent window; `assay.sae.config.default_aux_window`)."""
+    keeps_k: ClassVar[bool] = False
+    """Keeps the k largest pre-activations (--k is its sparsity; the others ignore --k)."""
     signum_encoder_step: ClassVar[float] = 2**-0.5
     """signum: W_enc's steps are its size relative to W_dec's (at the start) times this
     (--signum_encoder_step sets it; measured per architecture: docs/BENCHMARKS.md)."""

@@ -56,6 +56,7 @@ class TopK(Architecture):
 
     name = "topk"
     saelens_name = "topk"
+    keeps_k = True
     loads_from: ClassVar[tuple[str, ...]] = ("topk",)
     unit_decoder_default = True
     normalised_loss = True
