@@ -1,0 +1,175 @@
+"""Mistakes a user makes, each refused in one line before any work, and never at the cost of
+their files: an output that is or holds an input, a path that is not assay's to replace, a
+malformed selection, settings that cannot train, a device that does not exist."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from assay.cli import main
+from assay.core.config import DataConfig
+from assay.core.errors import AssayError
+from assay.core.runs import RunFolder, run_folder, write_json
+from assay.lm.models import resolve_device
+from assay.sae.config import SaeArchConfig, SaeEvalConfig, SaeTrainConfig
+from assay.sae.evaluate import metrics_path
+from assay.selection.coreset import CoresetConfig
+from assay.training.subset import read_ids, read_weights
+
+
+@dataclass
+class _Cfg:
+    out: str
+    model: str = "gpt2"
+    index: str = ""
+    overwrite: bool = False
+
+
+def _finished(out, cfg):
+    with run_folder(out, "test", cfg) as run:
+        (run.path / "model").mkdir()
+        (run.path / "model" / "weights.bin").write_text("w")
+
+
+def test_an_output_holding_an_input_is_refused_even_with_overwrite(tmp_path):
+    out = tmp_path / "run"
+    _finished(out, _Cfg(out=str(out)))
+    for cfg in (_Cfg(out=str(out), model=str(out / "model")), _Cfg(out=str(out), index=str(out))):
+        with pytest.raises(AssayError, match="an input of this run.*choose another output folder"):
+            RunFolder(out, "test", cfg, overwrite=True).open()
+    assert (out / "model" / "weights.bin").read_text() == "w"  # untouched
+    with run_folder(out, "test", _Cfg(out=str(out), model=str(tmp_path / "other")), overwrite=True):
+        pass  # an input elsewhere: --overwrite replaces the finished run as before
+    assert not (out / "model").exists()
+
+
+@pytest.mark.parametrize("kind", ["folder", "file"])
+def test_overwrite_replaces_only_assay_runs(tmp_path, kind):
+    out = tmp_path / "mine"
+    if kind == "folder":
+        out.mkdir()
+        (out / "notes.txt").write_text("keep")
+    else:
+        out.write_text("keep")
+    with pytest.raises(AssayError, match="is not an assay run; assay replaces only its own runs"):
+        RunFolder(out, "test", _Cfg(out=str(out)), overwrite=True).open()
+    assert (out / "notes.txt" if kind == "folder" else out).read_text() == "keep"
+    assert not (tmp_path / "mine.part").exists()
+
+
+def test_sae_eval_replaces_only_an_earlier_evaluation(tmp_path):
+    sae = tmp_path / "sae"
+    sae.mkdir()
+    weights = sae / "sae_weights.safetensors"
+    weights.write_bytes(b"\x00weights")
+    for overwrite in (False, True):
+        with pytest.raises(AssayError, match="not the metrics of an earlier `assay sae eval`"):
+            metrics_path(SaeEvalConfig(sae_dir=str(sae), out=str(weights), overwrite=overwrite))
+    with pytest.raises(AssayError, match="is a folder"):
+        metrics_path(SaeEvalConfig(sae_dir=str(sae), out=str(tmp_path)))
+    write_json(sae / "eval.json", {"sae": str(sae), "fvu": 0.1})
+    with pytest.raises(AssayError, match="--overwrite"):
+        metrics_path(SaeEvalConfig(sae_dir=str(sae)))
+    assert metrics_path(SaeEvalConfig(sae_dir=str(sae), overwrite=True)) == sae / "eval.json"
+    assert weights.read_bytes() == b"\x00weights"
+
+
+def test_writing_results_over_a_folder_is_one_line_and_leaves_no_temporary(tmp_path):
+    with pytest.raises(AssayError, match="is a folder"):
+        write_json(tmp_path, {"a": 1})
+    assert not list(tmp_path.parent.glob(f"{tmp_path.name}.*.tmp"))
+
+
+@pytest.mark.parametrize(
+    "name, text",
+    [
+        ("s.jsonl", '{"id": 1}\n{"text": "no id"}\n'),
+        ("s.jsonl", '{"id": 1}\nnot json\n'),
+        ("s.jsonl", '{"id": "a"}\n'),
+        ("s.jsonl", '{"id": 1.5}\n'),
+        ("s.txt", "1\nx\n"),
+        ("s.json", '{"rows": [1, 2]}'),
+        ("s.json", "[true, 2]"),
+    ],
+)
+def test_a_malformed_selection_is_one_line(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(AssayError) as e:
+        read_ids(path)
+    assert str(path) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_selections_read_their_ids_and_weights(tmp_path):
+    (tmp_path / "a.txt").write_text("3\n1\n 2\n")
+    assert read_ids(tmp_path / "a.txt").tolist() == [3, 1, 2]
+    np.save(tmp_path / "b.npy", np.array([4.0, 5.0]))
+    assert read_ids(tmp_path / "b.npy").tolist() == [4, 5]
+    path = tmp_path / "selection.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in [{"id": 7, "weight": 2}, {"id": 8, "weight": 0.5}]))
+    assert read_ids(path).tolist() == [7, 8] and read_weights(path) == {7: 2.0, 8: 0.5}
+    path.write_text('{"id": 7, "weight": 2}\n{"id": 8}\n')
+    with pytest.raises(AssayError, match='example 8 has no numeric "weight"'):
+        read_weights(path)
+
+
+def test_coreset_without_held_out_data_is_refused_before_training(tmp_path):
+    pool = tmp_path / "pool.jsonl"
+    pool.write_text('{"text": "a"}\n')
+    with pytest.raises(AssayError, match="single file.*--eval_dataset FILE"):
+        CoresetConfig(out=str(tmp_path / "c"), data=DataConfig(dataset=str(pool)))
+    CoresetConfig(out=str(tmp_path / "c"), data=DataConfig(dataset=str(pool)), eval_dataset=str(pool))
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"learning_rate": -1.0},
+        {"metrics_every": 0},
+        {"lm_batch_contexts": 0},
+        {"grad_clip": -1.0},
+        {"checkpoint_every": -1},
+        {"hookpoint": ""},
+        {"hookpoint_out": " "},
+    ],
+)
+def test_sae_settings_that_cannot_train_are_refused(bad):
+    with pytest.raises(AssayError):
+        SaeTrainConfig(out="o", **bad)
+
+
+def test_k_beyond_the_latents_is_refused_where_k_counts():
+    with pytest.raises(AssayError, match="--k 100 exceeds the SAE's 64 latents"):
+        SaeArchConfig(architecture="topk", d_sae=64, k=100)
+    with pytest.raises(AssayError, match="--aux_k must be positive"):
+        SaeArchConfig(aux_k=-1)
+    SaeArchConfig(architecture="relu", d_sae=16)  # relu ignores k (default 32)
+
+
+@pytest.mark.parametrize("name", ["tpu", "cuda:x", "meta"])
+def test_a_device_that_is_not_one_is_one_line(name):
+    with pytest.raises(AssayError, match="--device cpu|not a device"):
+        resolve_device(name)
+
+
+@pytest.mark.parametrize(
+    "saved, message",
+    [
+        ([1], "is not a run's config"),
+        ({"command": "eval"}, "holds no settings"),
+        ({"command": "eval", "config": {"model": {"model": 5}}}, r"--model 5 is not of type str"),
+        ({"command": "eval", "config": {"runtime": {"seed": "abc"}}}, r"--seed 'abc' is not of type int"),
+    ],
+)
+def test_a_damaged_config_json_is_one_line_on_replay(tmp_path, capsys, saved, message):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps(saved))
+    assert main(["replay", str(run), "--out", str(tmp_path / "new")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and re.search(message, err), err
