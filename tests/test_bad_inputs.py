@@ -173,3 +173,24 @@ def test_a_damaged_config_json_is_one_line_on_replay(tmp_path, capsys, saved, me
     assert main(["replay", str(run), "--out", str(tmp_path / "new")]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and re.search(message, err), err
+
+
+def test_data_and_model_options_that_contradict_are_refused():
+    from assay.core.config import ModelConfig
+
+    with pytest.raises(AssayError, match="both 'text'"):
+        DataConfig(prompt_column="text", completion_column="text")
+    with pytest.raises(AssayError, match="give its --lora_rank"):
+        ModelConfig(lora_modules=("q_proj",))
+    with pytest.raises(AssayError, match="--context_length must be positive"):
+        SaeEvalConfig(sae_dir="s", context_length=0)
+
+
+def test_an_unreadable_optimizer_state_does_not_advise_unsafe_loading(tmp_path):
+    from assay.attribution.normalizers import load_optimizer_state
+
+    path = tmp_path / "state.pt"
+    path.write_text('{"text": "not a checkpoint"}\n')
+    with pytest.raises(AssayError, match="not an optimizer state") as e:
+        load_optimizer_state(path, "adam", None, {})  # type: ignore[arg-type]
+    assert "weights_only=False" not in str(e.value)

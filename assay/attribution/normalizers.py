@@ -171,8 +171,12 @@ def load_optimizer_state(
         saved = torch.load(str(path), map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise AssayError(f"optimizer state {path} not found") from None
-    except Exception as e:  # weights_only refuses anything but tensors and plain containers
-        raise AssayError(f"could not read optimizer state {path} safely: {str(e).splitlines()[0]}") from None
+    except Exception:  # weights_only refuses anything but tensors and plain containers
+        raise AssayError(
+            f"{path} is not an optimizer state assay can read safely: give `assay finetune`'s "
+            "optimizer_state.safetensors (or its run folder) or a torch optimizer state_dict (optimizer.pt) "
+            "of tensors and plain containers"
+        ) from None
     if not isinstance(saved, dict) or "state" not in saved or "param_groups" not in saved:
         raise AssayError(f"{path} is not a torch optimizer state_dict (no 'state'/'param_groups')")
     by_name = _match_parameters(saved, model, path)

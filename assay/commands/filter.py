@@ -14,8 +14,12 @@ Config = FilterConfig
 def run(cfg: FilterConfig) -> dict[str, Any]:
     summary = select(cfg)
     how = "coverage"  # facility, kcenter, balanced, typiclust rank nothing
-    if STRATEGIES[cfg.strategy].kind == "score":
+    if cfg.strategy == "random":
+        how = "a uniform draw"
+    elif STRATEGIES[cfg.strategy].kind == "score":
         how = f"{'lowest' if cfg.lowest else 'highest'} scores"
+    if cfg.dedup is not None:
+        how += f", near-duplicates (cosine >= {cfg.dedup}) dropped first"
     say(
         f"{cfg.out}: kept {summary['num_selected']} of {summary['pool_size']} examples "
         f"({cfg.strategy}, query {cfg.query}, {how})"

@@ -51,6 +51,8 @@ class ModelConfig(ModelSource):
             raise AssayError(f"--lora_rank must be >= 0, got {self.lora_rank}")
         if self.lora_alpha < 1:
             raise AssayError(f"--lora_alpha must be positive, got {self.lora_alpha}")
+        if self.lora_modules and self.lora_rank == 0:
+            raise AssayError("--lora_modules names where a fresh adapter goes: give its --lora_rank too")
 
 
 @dataclass
@@ -91,6 +93,8 @@ class DataConfig:
     def __post_init__(self) -> None:
         if (self.prompt_column is None) != (self.completion_column is None):
             raise AssayError("--prompt_column and --completion_column go together")
+        if self.prompt_column is not None and self.prompt_column == self.completion_column:
+            raise AssayError(f"--prompt_column and --completion_column are both {self.prompt_column!r}")
         if self.conversation_column is not None and self.prompt_column is not None:
             raise AssayError("give --conversation_column or --prompt_column/--completion_column, not both")
         if self.max_samples is not None and self.max_samples <= 0:

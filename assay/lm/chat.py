@@ -24,8 +24,8 @@ def tokenize_conversations(
 ) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """([tokens] int32, [loss mask] bool) of each conversation in `column` (rows: their source
     ids, for errors), rendered with the tokenizer's chat template, not yet truncated."""
-    _require_template(tokenizer, name)
-    convos = [_conversation(value, row, name) for value, row in zip(column, rows)]
+    convos = [_conversation(value, row, name) for value, row in zip(column, rows)]  # rows first:
+    _require_template(tokenizer, name)  # a column of plain text is no conversation, template or not
     strings = [tokenizer.apply_chat_template(c, tokenize=False) for c in convos]
     # the template writes the special tokens (BOS included) itself: the tokenizer adds none
     enc = tokenizer(strings, add_special_tokens=False, return_offsets_mapping=True, verbose=False)

@@ -100,9 +100,9 @@ def _load_split(cfg: DataConfig) -> Table:
     if path.is_file():
         if cfg.split != "train":
             raise AssayError(
-                f"{source} is a single file, read whole as one split, 'train' (not {cfg.split!r}); hold "
-                "data out with a second file (e.g. --eval_dataset held-out.jsonl) or choose rows with "
-                "--filter_column/--filter_value"
+                f"{source} is a single file, read whole as one split, 'train' (not {cfg.split!r}): give "
+                "the held-out rows as a file of their own, or pick rows of this one with the command's "
+                "filter column and value options (see its --help)"
             )
         return _load_file(path, cfg)
     if path.is_dir():

@@ -138,7 +138,7 @@ def build_report(
 
     `features` and `feature_examples` bound what SAE feature browsers show (see ReportConfig).
     """
-    run_dirs = [Path(p) for p in run_dirs]
+    run_dirs = list(dict.fromkeys(Path(p) for p in run_dirs))  # a folder named twice: one section
     out_html = Path(out_html)
     _check_target(out_html)
     title = title or "assay report — " + ", ".join(p.name for p in run_dirs)

@@ -384,8 +384,8 @@ class SaeEvalConfig:
 
     def __post_init__(self) -> None:
         check_sae_precision(self.runtime.precision)
-        if self.eval_contexts <= 0:
-            raise AssayError("--eval_contexts must be positive")
+        if self.eval_contexts <= 0 or (self.context_length is not None and self.context_length <= 0):
+            raise AssayError("--eval_contexts and --context_length must be positive")
         if self.ground_truth_batch <= 0 or (self.batch_topk is not None and self.batch_topk <= 0):
             raise AssayError("--ground_truth_batch and --batch_topk must be positive")
         if self.batch_topk is not None and not self.ground_truth:

@@ -193,6 +193,8 @@ def evaluate_sae(cfg: SaeEvalConfig) -> dict[str, Any]:
     """Load an SAE folder, splice it into the model (or score it against a ground-truth file),
     save the metrics (eval.json) and return them with what was measured (`"about"`)."""
     sae, meta = load_sae(cfg.sae_dir)
+    if cfg.hookpoint_out and not sae.transcoder:
+        raise AssayError(f"--hookpoint_out is for transcoders; {cfg.sae_dir} is an SAE: drop it")
     out = metrics_path(cfg)
     if cfg.ground_truth:
         return _against_ground_truth(cfg, sae, cfg.ground_truth, out)

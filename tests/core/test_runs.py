@@ -19,7 +19,8 @@ class _Cfg:
 
 
 def test_config_json_round_trip():
-    cfg = _Cfg(out="x", model=ModelConfig(lora_modules=("q_proj",)), data=DataConfig(max_samples=3))
+    model = ModelConfig(lora_rank=4, lora_modules=("q_proj",))
+    cfg = _Cfg(out="x", model=model, data=DataConfig(max_samples=3))
     assert config_from_dict(_Cfg, config_to_dict(cfg)) == cfg
 
 

@@ -119,6 +119,9 @@ def test_bad_conversations_are_one_clear_line(tmp_path, chat_tokenizer, tiny_tok
     cfg = DataConfig(dataset=str(path), conversation_column="messages")
     with pytest.raises(AssayError, match=r"row 1 is not a conversation"):
         load_examples(cfg, chat_tokenizer)
+    with pytest.raises(AssayError, match=r"row 1 is not a conversation"):  # the rows are read first
+        load_examples(cfg, tiny_tokenizer)
+    path.write_text(json.dumps({"messages": CONVERSATIONS[0]}) + "\n")
     with pytest.raises(AssayError, match="no chat template"):
         load_examples(cfg, tiny_tokenizer)
     rewritten = make_chat_tokenizer()

@@ -24,7 +24,8 @@ def test_eval_refuses_a_split_a_file_does_not_have(tmp_path, texts_jsonl, tiny_m
     args = ["eval", str(tmp_path / "o"), "--model", str(tiny_model_dir), "--dataset", str(texts_jsonl)]
     assert main([*args, "--split", "no_such_split"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert "'no_such_split'" in err[-1] and "--eval_dataset" in err[-1] and not (tmp_path / "o.part").exists()
+    assert "'no_such_split'" in err[-1] and "a file of their own" in err[-1]
+    assert not (tmp_path / "o.part").exists()
 
 
 def test_queries_from_a_file_are_the_whole_file(texts_jsonl):
