@@ -252,6 +252,9 @@ def test_cli_and_user_errors(runs, tmp_path, capsys):
     assert main(["report", str(runs["eval"]), "-o", str(out)]) == 0
     assert out.exists() and "report:" in capsys.readouterr().out
     assert main(["report", str(runs["eval"]), "-o", str(out)]) == 0  # replaces its own report
+    once = out.read_text()
+    assert main(["report", str(runs["eval"]), str(runs["eval"]), "-o", str(out)]) == 0
+    assert len(out.read_text()) == len(once)  # a folder named twice is one section
     foreign = tmp_path / "notes.html"
     foreign.write_text("<html>mine</html>")
     assert main(["report", str(runs["eval"]), "-o", str(foreign)]) == 2
