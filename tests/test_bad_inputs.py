@@ -194,3 +194,14 @@ def test_an_unreadable_optimizer_state_does_not_advise_unsafe_loading(tmp_path):
     with pytest.raises(AssayError, match="not an optimizer state") as e:
         load_optimizer_state(path, "adam", None, {})  # type: ignore[arg-type]
     assert "weights_only=False" not in str(e.value)
+
+
+def test_score_refuses_its_output_before_computing_query_gradients(tmp_path, monkeypatch):
+    from assay.commands import score as score_command
+
+    out = tmp_path / "scores"
+    out.write_text("mine")
+    monkeypatch.setattr(score_command, "open_index", lambda path: None)
+    monkeypatch.setattr(score_command, "prepare_queries", lambda *a: pytest.fail("gradients computed"))
+    args = ["score", str(out), "--index", str(tmp_path / "idx"), "--query_text", "x", "--overwrite"]
+    assert main(args) == 2 and out.read_text() == "mine"

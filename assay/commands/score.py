@@ -51,6 +51,7 @@ from assay.core.errors import AssayError
 from assay.core.runs import (
     CONFIG_FILE,
     DONE_FILE,
+    RunFolder,
     config_from_dict,
     load_run_config,
     read_json,
@@ -213,6 +214,7 @@ def run_score(cfg: ScoreConfig) -> dict[str, Any]:
         return stream_run(cfg)
     assert cfg.index is not None
     index = open_index(cfg.index)
+    RunFolder(cfg.out, "score", cfg, cfg.overwrite, resumable=False).check()  # before the gradients
     setup, queries, grads = prepare_queries(cfg, index)  # user errors surface before OUT.part exists
     if not Distributed.current().is_main:  # rank 0 streams the index and writes OUT
         with run_folder(cfg.out, "score", cfg, cfg.overwrite, resumable=False):

@@ -151,19 +151,10 @@ class RunFolder:
     def open(self) -> RunFolder:
         """Lock and create `OUT.part/` (or resume it), refusing to clobber a finished run, a
         path that is not an assay run, or one that holds the run's own inputs."""
-        refuse_inputs_inside(self.final, self.record["config"])
-        if self.final.exists() and not is_run_folder(self.final):
-            raise AssayError(
-                f"{self.final} exists and is not an assay run; assay replaces only its own runs: "
-                "move it away or choose another output folder"
-            )
+        self.check()  # before `.part` exists: a refused run leaves nothing behind
         created = self._lock()
         try:
-            if (self.final / DONE_FILE).exists() and not self.overwrite:
-                raise AssayError(
-                    f"{self.final} already holds a finished run; pass --overwrite to replace it "
-                    "or choose another output folder"
-                )
+            self.check()  # again, now that no other process can be writing OUT
             if self.final.exists() and not (self.final / DONE_FILE).exists() and not self.overwrite:
                 raise AssayError(
                     f"{self.final} holds an unfinished assay run; pass --overwrite to replace it "
@@ -178,6 +169,21 @@ class RunFolder:
             self.abandon()
             raise
         return self
+
+    def check(self) -> None:
+        """The refusals `open` makes, without taking the folder: a command whose first steps are
+        costly (query gradients) calls it before them. `open` checks again under the lock."""
+        refuse_inputs_inside(self.final, self.record["config"])
+        if self.final.exists() and not is_run_folder(self.final):
+            raise AssayError(
+                f"{self.final} exists and is not an assay run; assay replaces only its own runs: "
+                "move it away or choose another output folder"
+            )
+        if (self.final / DONE_FILE).exists() and not self.overwrite:
+            raise AssayError(
+                f"{self.final} already holds a finished run; pass --overwrite to replace it "
+                "or choose another output folder"
+            )
 
     def holds_work(self) -> bool:
         """Whether `.part` holds anything a rerun would reuse (more than its config and lock)."""
