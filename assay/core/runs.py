@@ -100,11 +100,11 @@ def _replace(tmp: Path, path: Path) -> None:
     """Move a written temporary file into place; on failure (e.g. `path` is a folder) remove it."""
     try:
         os.replace(tmp, path)
-    except OSError as e:
+    except OSError:
         tmp.unlink(missing_ok=True)
         if path.is_dir():
             raise AssayError(f"{path} is a folder; give a file path to write the results to") from None
-        raise e
+        raise
 
 
 def read_json(path: Path) -> Any:

@@ -240,8 +240,14 @@ class SaeTrainConfig:
     def __post_init__(self) -> None:
         check_sae_precision(self.runtime.precision)
         refuse_non_finite(self)
-        positive = ("training_tokens", "batch_tokens", "context_length", "buffer_batches")
-        for name in (*positive, "lm_batch_contexts", "metrics_every"):
+        for name in (
+            "training_tokens",
+            "batch_tokens",
+            "context_length",
+            "buffer_batches",
+            "lm_batch_contexts",
+            "metrics_every",
+        ):
             if getattr(self, name) <= 0:
                 raise AssayError(f"--{name} must be positive, got {getattr(self, name)}")
         if self.learning_rate is not None and not self.learning_rate > 0:

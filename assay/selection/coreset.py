@@ -131,14 +131,18 @@ class CoresetConfig:
             raise AssayError(f"unknown strategy {sorted(unknown)[0]!r}; choose from {', '.join(STRATEGIES)}")
         if not self.seeds:
             raise AssayError("--seeds needs at least one seed")
-        for name in ("random_draws", "strategy_draws"):
+        for name in (
+            "random_draws",
+            "strategy_draws",
+            "pool_size",
+            "query_size",
+            "eval_size",
+            "token_batch_size",
+        ):
             if getattr(self, name) < 1:
                 raise AssayError(f"--{name} must be at least 1, got {getattr(self, name)}")
         if not 0.0 < self.fraction < 1.0:
             raise AssayError(f"--fraction must be in (0, 1), got {self.fraction}")
-        for name in ("pool_size", "query_size", "eval_size", "token_batch_size"):
-            if getattr(self, name) < 1:
-                raise AssayError(f"--{name} must be >= 1, got {getattr(self, name)}")
         if self.projection_dim < 0:  # 0: raw weight gradients, as `assay build` takes it
             raise AssayError(f"--projection_dim must be >= 0, got {self.projection_dim}")
         if self.query == "eval" and self.preset == "none" and not self.query_dataset:
@@ -150,8 +154,8 @@ class CoresetConfig:
         """The tables compare retrained models on held-out loss: refuse a setup without any."""
         if not self.eval_split:
             raise AssayError("--eval_split '' leaves no held-out data, and the experiment compares on it")
-        single = is_single_file(self.eval_dataset or self.data.dataset)
-        if single and self.eval_dataset is None and self.eval_filter_column is None:
+        given = self.eval_dataset is not None or self.eval_filter_column is not None
+        if not given and is_single_file(self.data.dataset):
             raise AssayError(
                 f"the experiment compares retrained models on held-out loss, and {self.data.dataset} "
                 "is a single file (one split): give held-out rows with --eval_dataset FILE or "

@@ -67,6 +67,8 @@ def selection_records(path: Path) -> list[dict]:
 
 def _as_ids(values: object, path: Path) -> np.ndarray:
     """Integer example ids (whole numbers; "12" in a .txt), or one line naming the first that is not."""
+    if isinstance(values, np.ndarray) and values.dtype.kind in "iu":  # an .npy of ids: no loop
+        return values.astype(np.int64).reshape(-1)
     flat = np.asarray(values, dtype=object).reshape(-1)
     ids = np.empty(len(flat), dtype=np.int64)
     for i, value in enumerate(flat):
