@@ -90,6 +90,10 @@ def append_index(cfg: BuildConfig) -> dict[str, Any]:
     finished = dist.main_only(_recover, out)
     if finished is not None:
         return finished
+    if not out.exists():  # before the model and the data load
+        raise AssayError(
+            f"--append: no index at {out} to add to; build it first (the same command without --append)"
+        )
     index = ix.open_index(out)
     _refuse_curvature(index)
     cfg = appended_config(cfg, index.meta, out)

@@ -215,6 +215,9 @@ def run_score(cfg: ScoreConfig) -> dict[str, Any]:
     assert cfg.index is not None
     index = open_index(cfg.index)
     RunFolder(cfg.out, "score", cfg, cfg.overwrite, resumable=False).check()  # before the gradients
+    if cfg.options.top_k > len(index):
+        note(f"--top_k {cfg.options.top_k} is above the index's {len(index)} rows: every row is listed, "
+             "as a proponent and as an opponent")  # fmt: skip
     setup, queries, grads = prepare_queries(cfg, index)  # user errors surface before OUT.part exists
     if not Distributed.current().is_main:  # rank 0 streams the index and writes OUT
         with run_folder(cfg.out, "score", cfg, cfg.overwrite, resumable=False):

@@ -7,6 +7,7 @@ replayed from its saved `config.json`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Annotated, ClassVar, Literal
 
 import tyro
@@ -281,6 +282,9 @@ class SaeTrainConfig:
             raise AssayError("--wandb logs one SAE; train several (--hookpoints/--sweep_*) without it")
         if min([*self.sweep_d_sae, *self.sweep_k, 1]) <= 0:
             raise AssayError("--sweep_d_sae and --sweep_k must be positive")
+        cache = self.cache_activations
+        if cache is not None and Path(cache).exists() and not Path(cache).is_dir():  # before the LM loads
+            raise AssayError(f"--cache_activations {cache} is a file; give a folder for the activation cache")
 
     @property
     def total_steps(self) -> int:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -108,8 +107,6 @@ def rank_share(source: Any, dist: Distributed) -> Any:
 
 def cached(cfg: SaeTrainConfig, model: Any, source: Any, folder: str) -> Any:
     """The activation cache (written by rank 0 under torchrun; the other ranks then read it)."""
-    if Path(folder).exists() and not Path(folder).is_dir():
-        raise AssayError(f"--cache_activations {folder} is a file; give a folder for the activation cache")
     with Distributed.current().main_first():
         hooks = hookpoints(cfg)
         key = {

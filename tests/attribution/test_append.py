@@ -201,3 +201,14 @@ def test_an_interrupted_append_leaves_the_old_index_and_resumes(grown, tmp_path,
     )
     assert not append_mod.staging_path(base).exists()
     assert not base.with_name(base.name + ".append.old").exists()
+
+
+def test_appending_to_no_index_says_to_build_it_first(tmp_path, texts_jsonl, monkeypatch, capsys):
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(append_mod, "load_tokenizer", no_load)
+    assert _append(tmp_path / "none", texts_jsonl) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no index at" in err[0] and "without --append" in err[0]
+    assert not (tmp_path / "none").exists()

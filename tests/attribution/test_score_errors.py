@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import shutil
 
 import pytest
 
 from assay.attribution.build import BuildConfig, build_index, setup_from_index
 from assay.attribution.index import open_index
+from assay.attribution.options import ScoreOptions
 from assay.attribution.projection import Projector
 from assay.attribution.score import check_compatible
 from assay.cli import main
@@ -47,6 +49,23 @@ def test_scores_with_the_index_settings(built):
     root, _, data = built
     summary = run_score(_score_cfg(root, data, query_max_samples=3, query_text=("X:9\nK:D\nABc",)))
     assert summary["num_queries"] == 4 and summary["num_rows"] == 24
+
+
+def test_top_k_above_the_rows_is_said(built, caplog):
+    root, _, data = built
+    cfg = dataclasses.replace(
+        _score_cfg(root, data, query_max_samples=1), options=ScoreOptions(mode="inner", top_k=30)
+    )
+    with caplog.at_level("INFO", logger="assay"):
+        run_score(cfg)
+    assert "--top_k 30 is above the index's 24 rows" in caplog.text
+    top = [json.loads(line) for line in (root / "out" / "top.jsonl").read_text().splitlines()]
+    assert len(top[0]["proponents"]) == len(top[0]["opponents"]) == 24  # every row, on each side
+    for bad, message in ((0, "--top_k must be positive, got 0"), (-1, "--top_k must be positive")):
+        with pytest.raises(AssayError, match=message):
+            ScoreOptions(top_k=bad)
+    with pytest.raises(AssayError, match="^--chunk_rows must be >= 0"):
+        ScoreOptions(chunk_rows=-1)
 
 
 def test_tokenizer_and_projection_mismatch_are_refused(built):

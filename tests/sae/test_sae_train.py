@@ -174,6 +174,13 @@ def _cfg(tiny_model_dir, corpus, out, **kw) -> SaeTrainConfig:  # type: ignore[n
     )
 
 
+def test_a_file_as_activation_cache_is_refused_before_the_model_loads(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    (tmp_path / "cache").write_text("mine")
+    with pytest.raises(AssayError, match="cache is a file; give a folder"):
+        _cfg("no-model", "no-data", tmp_path / "out", cache_activations=str(tmp_path / "cache"))
+    assert (tmp_path / "cache").read_text() == "mine"
+
+
 @pytest.mark.parametrize("optimizer", ["adam", "signum"])
 def test_resume_reaches_exactly_the_uninterrupted_weights(
     tiny_model_dir, corpus, tmp_path, monkeypatch, optimizer
