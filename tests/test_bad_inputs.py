@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
+import assay
 from assay.cli import main
 from assay.core.config import DataConfig
 from assay.core.errors import AssayError
@@ -205,3 +206,22 @@ def test_score_refuses_its_output_before_computing_query_gradients(tmp_path, mon
     monkeypatch.setattr(score_command, "prepare_queries", lambda *a: pytest.fail("gradients computed"))
     args = ["score", str(out), "--index", str(tmp_path / "idx"), "--query_text", "x", "--overwrite"]
     assert main(args) == 2 and out.read_text() == "mine"
+
+
+# ---- the Python entry points (`import assay`) ------------------------------------------------------
+def _one_line(call, match: str) -> None:
+    with pytest.raises(AssayError, match=match) as e:
+        call()
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "call, given, match",
+    [
+        ("finetune", {"out": "o"}, r"finetune's config must be an assay.FinetuneConfig\(...\), not a dict"),
+        ("build_index", None, r"build_index's config must be an assay.BuildConfig\(...\), not None"),
+        ("validate", "o", r"validate's config must be an assay.ValidateConfig\(...\), not a str"),
+    ],
+)
+def test_an_entry_point_given_something_other_than_its_config_is_one_line(tmp_path, call, given, match):
+    _one_line(lambda: getattr(assay, call)(given), match)

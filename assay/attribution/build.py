@@ -40,7 +40,7 @@ from assay.attribution.normalizers import (
 )
 from assay.attribution.projection import Projector
 from assay.core import fsdp
-from assay.core.config import DataConfig, ModelConfig, RuntimeConfig
+from assay.core.config import DataConfig, ModelConfig, RuntimeConfig, require_config
 from assay.core.console import note
 from assay.core.disk import reserve
 from assay.core.distributed import Distributed
@@ -253,6 +253,7 @@ def setup_from_index(
 def build_index(cfg: BuildConfig) -> dict[str, Any]:
     """Build (or resume) the index in cfg.out, or with --append add rows to it; returns its metadata
     and throughput."""
+    require_config(cfg, BuildConfig, "build_index's config")
     if cfg.append:
         from assay.attribution.append import append_index  # it builds on this module
 

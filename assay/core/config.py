@@ -220,3 +220,11 @@ def refuse_non_finite(cfg: object) -> None:
         for v in values:
             if isinstance(v, float) and not math.isfinite(v):
                 raise AssayError(f"--{f.name} must be a finite number, got {v}")
+
+
+def require_config(cfg: object, cls: type, what: str) -> None:
+    """One line when a Python entry point is given something other than its config object (a
+    dict of settings, None), instead of an AttributeError deep inside it."""
+    if not isinstance(cfg, cls):
+        got = "None" if cfg is None else f"a {type(cfg).__name__}"
+        raise AssayError(f"{what} must be an assay.{cls.__name__}(...), not {got}")

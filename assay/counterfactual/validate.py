@@ -26,7 +26,14 @@ from typing import Any, Literal
 import numpy as np
 import tyro
 
-from assay.core.config import DataConfig, ModelConfig, QueryConfig, RuntimeConfig, refuse_non_finite
+from assay.core.config import (
+    DataConfig,
+    ModelConfig,
+    QueryConfig,
+    RuntimeConfig,
+    refuse_non_finite,
+    require_config,
+)
 from assay.core.console import note
 from assay.core.distributed import Distributed
 from assay.core.errors import AssayError
@@ -301,6 +308,7 @@ def validate(cfg: ValidateConfig) -> dict[str, Any]:
     A finished experiment is extended, never redone: more --methods or --scores are validated
     against its ground truth. Given only such free settings (`assay validate OUT --scores RUN`),
     the experiment's own settings are used."""
+    require_config(cfg, ValidateConfig, "validate's config")
     dist = Distributed.current()
     cfg = dist.main_only(_with_saved_settings, cfg)
     if cfg.preset == "none" and not cfg.queries.given:

@@ -23,7 +23,7 @@ import torch
 import tyro
 
 from assay.core import fsdp
-from assay.core.config import DataConfig, ModelConfig, RuntimeConfig, is_single_file
+from assay.core.config import DataConfig, ModelConfig, RuntimeConfig, is_single_file, require_config
 from assay.core.console import note
 from assay.core.distributed import Distributed
 from assay.core.errors import AssayError
@@ -317,6 +317,7 @@ def save_outputs(trainer: Trainer, folder: Path, tokenizer: Any) -> None:
 
 def finetune(cfg: FinetuneConfig) -> dict[str, Any]:
     """Train, evaluate, save into cfg.out (resumable); returns the summary (also in summary.json)."""
+    require_config(cfg, FinetuneConfig, "finetune's config")
     wall = time.perf_counter()
     dist = Distributed.current()
     if cfg.fsdp:
