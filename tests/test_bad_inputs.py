@@ -10,8 +10,12 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
+import torch
 
 import assay
+from assay.attribution import score as score_module
+from assay.attribution.api import Gradients
+from assay.attribution.index import GradientIndex
 from assay.cli import main
 from assay.core.config import DataConfig
 from assay.core.errors import AssayError
@@ -225,3 +229,66 @@ def _one_line(call, match: str) -> None:
 )
 def test_an_entry_point_given_something_other_than_its_config_is_one_line(tmp_path, call, given, match):
     _one_line(lambda: getattr(assay, call)(given), match)
+
+
+def _array_index(tmp_path, rows: int = 12, dim: int = 8):
+    """A GradientIndex over random in-memory rows: two modules of dim/2 columns, no files."""
+    grads = np.random.default_rng(0).standard_normal((rows, dim)).astype(np.float32)
+    modules = {"a": slice(0, dim // 2), "b": slice(dim // 2, dim)}
+    meta = {"projection_dim": dim // 2, "projection_seed": 0, "model": {"fingerprint": "f"}}
+    ids, losses, tokens = np.arange(rows), np.zeros(rows, np.float32), np.ones(rows, np.int64)
+    return GradientIndex(tmp_path, grads, modules, ids, losses, tokens, meta)
+
+
+@pytest.mark.parametrize(
+    "mode, queries, scores_out, match",
+    [
+        ("trackstar", "nan", None, r"query gradient 1 \(0-based\) holds inf/NaN"),
+        ("cosine", "inf", None, r"query gradient 1 \(0-based\) holds inf/NaN"),
+        ("inner", "ints", None, "must be a float tensor or numpy array"),
+        ("inner", "list", None, "not a list"),
+        ("inner", "wide", None, r"must be \[Q, 8\] \(or one row \[8\]\), got shape \[2, 9\]"),
+        ("inner", "ok", np.zeros((3, 12), np.float32), r"\[A, N\] = \[2, 12\].*not float32 \[3, 12\]"),
+        ("inner", "ok", np.zeros((2, 12), np.int64), "not int64 "),
+        ("inner", "ok", [[0.0] * 12] * 2, "not list"),
+    ],
+)
+def test_bad_queries_or_scores_out_are_one_line_before_any_work(
+    tmp_path, monkeypatch, mode, queries, scores_out, match
+):
+    index = _array_index(tmp_path)
+    q = torch.from_numpy(np.array(index.gradients[:2]))
+    given = {
+        "ok": q,
+        "nan": torch.cat([q[:1], torch.full_like(q[:1], float("nan"))]),
+        "inf": torch.cat([q[:1], torch.full_like(q[:1], float("inf"))]),
+        "ints": q.long(),
+        "list": q.tolist(),
+        "wide": torch.zeros(2, 9),
+    }[queries]
+    monkeypatch.setattr(score_module, "whitening_for", lambda *a: pytest.fail("work began"))
+    monkeypatch.setattr(score_module, "score_rows", lambda *a: pytest.fail("work began"))
+    _one_line(lambda: assay.score_index(index, given, assay.ScoreOptions(mode=mode), scores_out), match)
+
+
+def test_a_numpy_or_one_row_query_scores_as_the_tensor_query(tmp_path):
+    index = _array_index(tmp_path)
+    rows = np.array(index.gradients[:2])
+    for mode in ("trackstar", "cosine"):
+        options = assay.ScoreOptions(mode=mode, top_k=3)
+        want, _ = assay.score_index(index, torch.from_numpy(rows), options)
+        from_numpy, _ = assay.score_index(index, rows, options)
+        one, _ = assay.score_index(index, torch.from_numpy(rows[1]), options)
+        assert torch.equal(from_numpy.top_rows, want.top_rows)
+        assert one.top_rows.shape == (1, 3) and one.top_rows[0, 0] == 1  # the row itself comes first
+
+
+def test_score_refuses_non_finite_gradients_and_foreign_arguments():
+    modules = {"a": slice(0, 4), "b": slice(4, 8)}
+    train = Gradients(torch.randn(10, 8), modules, 4, 0)
+    bad = Gradients(torch.randn(2, 8), modules, 4, 0)
+    bad.rows[1, 3] = float("nan")
+    _one_line(lambda: assay.score(bad, train), r"query gradient 1 \(0-based\) holds inf/NaN")
+    _one_line(lambda: assay.score(train, bad), r"train gradient 1 \(0-based\) holds inf/NaN")
+    _one_line(lambda: assay.score(train.rows, train), "queries must be the Gradients of collect_gradients")
+    _one_line(lambda: assay.score(train, train, {"mode": "cosine"}), r"options must be an assay.ScoreOptions")

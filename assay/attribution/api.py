@@ -19,7 +19,7 @@ from torch import nn
 
 from assay.attribution.collector import GradientCollector, Objective, linear_modules
 from assay.attribution.kernel import TopRows, plan_queries, score_rows
-from assay.attribution.options import ScoreOptions
+from assay.attribution.options import ScoreOptions, gradient_rows, score_options
 from assay.attribution.precondition import Whitening, build_whitening, second_moment_sums
 from assay.attribution.projection import Projector
 from assay.attribution.rows import TensorRows
@@ -80,22 +80,30 @@ def score(queries: Gradients, train: Gradients, options: ScoreOptions | None = N
 
     trackstar and influence use R_train estimated from all train rows (mixed with the queries'
     statistics in trackstar mode). `options.search` and the caching options do not apply here.
+    Rows holding NaN or inf, or not as wide as the modules' columns, are refused before any work.
     """
-    o = options or ScoreOptions()
+    o = score_options(options)
+    for given, name in ((queries, "queries"), (train, "train")):
+        if not isinstance(given, Gradients):
+            raise AssayError(
+                f"{name} must be the Gradients of collect_gradients, not a {type(given).__name__}"
+            )
     if queries.modules != train.modules or (queries.projection_dim, queries.seed) != (
         train.projection_dim,
         train.seed,
     ):
         raise AssayError("queries and train gradients were collected with different modules or projection")
+    dim = max((sl.stop for sl in train.modules.values()), default=0)  # the modules' columns
+    train_rows, query_rows = gradient_rows(train.rows, dim, "train"), gradient_rows(queries.rows, dim)
     whitening = None
     if o.mode in ("trackstar", "influence"):
-        sums = second_moment_sums(train.rows, train.modules)
+        sums = second_moment_sums(train_rows, train.modules)
         mix = (0.0 if o.mode == "influence" else None) if o.mix is None else o.mix
         whitening = build_whitening(
-            sums, train.rows.shape[0], queries.rows, train.modules, mix, o.damping, o.mix_fraction
+            sums, train_rows.shape[0], query_rows, train.modules, mix, o.damping, o.mix_fraction
         )
-    plan = plan_queries(queries.rows, o.mode, o.aggregate, whitening)
-    columns = 1 if o.aggregate != "none" else queries.rows.shape[0]
-    out = torch.zeros(columns, train.rows.shape[0])
-    top = score_rows(TensorRows(train.rows), plan, o.top_k, scores_out=out.numpy())
+    plan = plan_queries(query_rows, o.mode, o.aggregate, whitening)
+    columns = 1 if o.aggregate != "none" else query_rows.shape[0]
+    out = torch.zeros(columns, train_rows.shape[0])
+    top = score_rows(TensorRows(train_rows), plan, o.top_k, scores_out=out.numpy())
     return Scores(out, top, whitening)

@@ -1,13 +1,18 @@
-"""How query gradients are scored against index rows: one typed object every scoring path takes."""
+"""How query gradients are scored against index rows: one typed object every scoring path takes,
+and the checks every scoring path makes of its queries and output before any work."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
+
+import numpy as np
+import torch
 
 from assay.attribution.kernel import Aggregate, Mode
 from assay.attribution.precondition import MIX_FRACTION
+from assay.core.config import require_config
 from assay.core.errors import AssayError
 
 
@@ -48,8 +53,10 @@ class ScoreOptions:
     """Lists searched per query (more: closer to exact, slower)."""
 
     def __post_init__(self) -> None:
-        if self.top_k < 1 or self.chunk_rows < 0:
-            raise AssayError("--top_k must be positive and --chunk_rows >= 0")
+        if self.top_k < 1:
+            raise AssayError(f"--top_k must be positive, got {self.top_k}")
+        if self.chunk_rows < 0:
+            raise AssayError(f"--chunk_rows must be >= 0 (0: automatic), got {self.chunk_rows}")
         if self.mix is not None and not 0.0 <= self.mix <= 1.0:
             raise AssayError(f"--mix must be in [0, 1], got {self.mix}")
         if not 0 <= self.damping < math.inf or not 0.0 < self.mix_fraction <= 1.0:
@@ -58,3 +65,56 @@ class ScoreOptions:
             raise AssayError("--faiss_lists must be >= 0 and --faiss_probe >= 1")
         if self.search == "faiss" and self.mode not in ("trackstar", "cosine"):
             raise AssayError("--search faiss gives top-k for trackstar or cosine only")
+
+
+def score_options(options: Any) -> ScoreOptions:
+    """`options`, or the defaults for None (one line for anything else)."""
+    if options is None:
+        return ScoreOptions()
+    require_config(options, ScoreOptions, "options")
+    return options
+
+
+def gradient_rows(rows: Any, dim: int, what: str = "query") -> torch.Tensor:
+    """[Q, dim] gradients from a tensor or numpy array of floats ([dim]: one row), or one line
+    saying what is wrong with them: a NaN or inf would fail R's eigendecomposition or make every
+    score non-finite, far from its cause."""
+    if isinstance(rows, np.ndarray) and rows.dtype.kind == "f":
+        rows = torch.from_numpy(np.ascontiguousarray(rows))
+    if not isinstance(rows, torch.Tensor) or not rows.is_floating_point():
+        got = f"{type(rows).__name__} of {rows.dtype}" if hasattr(rows, "dtype") else type(rows).__name__
+        raise AssayError(f"{what} gradients must be a float tensor or numpy array [Q, {dim}], not a {got}")
+    if rows.ndim == 1:
+        rows = rows[None]
+    if rows.ndim != 2 or rows.shape[1] != dim:
+        raise AssayError(
+            f"{what} gradients must be [Q, {dim}] (or one row [{dim}]), got shape {list(rows.shape)}: "
+            "compute them with the same modules and projection"
+        )
+    if rows.shape[0] == 0:
+        raise AssayError(f"no {what} gradients to score: the {what} set is empty")
+    finite = torch.isfinite(rows).all(dim=1)
+    if not bool(finite.all()):
+        first = int(torch.nonzero(~finite)[0, 0])
+        raise AssayError(f"{what} gradient {first} (0-based) holds inf/NaN; recompute it (e.g. at fp32)")
+    return rows
+
+
+def check_scores_out(scores_out: Any, columns: int, rows: int) -> None:
+    """Refuse a `scores_out` that is not a writable float32 array [columns, rows] (None: fine)."""
+    if scores_out is None:
+        return
+    shape = list(getattr(scores_out, "shape", ()))
+    if not (
+        isinstance(scores_out, np.ndarray)
+        and scores_out.dtype == np.float32
+        and shape == [columns, rows]
+        and scores_out.flags.writeable
+    ):
+        got = (
+            f"{scores_out.dtype} {shape}" if isinstance(scores_out, np.ndarray) else type(scores_out).__name__
+        )
+        raise AssayError(
+            f"scores_out must be a writable float32 numpy array [A, N] = [{columns}, {rows}] (A: the "
+            f"queries, or 1 when aggregated; N: the index's rows), not {got}"
+        )

@@ -24,7 +24,7 @@ from assay.attribution.collector import Objective
 from assay.attribution.index import GradientIndex, index_fingerprint, segments
 from assay.attribution.kernel import TopRows, half_gemm_is_exact_enough, plan_queries, score_rows
 from assay.attribution.kfac import precondition_rows, projected_curvature
-from assay.attribution.options import ScoreOptions
+from assay.attribution.options import ScoreOptions, check_scores_out, gradient_rows, score_options
 from assay.attribution.precondition import Whitening, build_whitening, second_moment_sums
 from assay.attribution.projection import Projector
 from assay.attribution.rows import ArrayRows, base_sq_norms, row_norms
@@ -180,21 +180,24 @@ def faiss_top(
 
 def score_index(
     index: GradientIndex,
-    queries: torch.Tensor,
+    queries: torch.Tensor | np.ndarray,
     options: ScoreOptions | None = None,
     scores_out: np.ndarray | None = None,
 ) -> tuple[TopRows, Whitening | None]:
     """Score query gradients [Q, D] (computed like the index's rows) against every index row.
 
-    `scores_out` [A, N] (A = Q, or 1 when aggregated) receives every score (exact search only).
+    `queries` is a float tensor or numpy array [Q, D], or one query [D] (scored as [1, D]); a
+    NaN or inf in it is refused, as are a wrong shape and a `scores_out` that does not fit, before
+    any work. `scores_out`, a writable float32 array [A, N] (A = Q, or 1 when aggregated),
+    receives every score (exact search only).
     trackstar with few queries (Q ≤ d_m/4) and `cache_norms` takes each row's ‖W t‖ from the
     Woodbury form and a per-index cache, so the pass over the index is a plain streamed GEMM.
     inner, influence and cosine on an fp16 index (without `scores_out`) screen the rows with a
     half-precision GEMM and score exactly only those that may reach the top k (kernel.Screen).
     """
-    o = options or ScoreOptions()
-    if queries.shape[-1] != index.dim:
-        raise AssayError(f"query gradients have {queries.shape[-1]} dimensions, the index {index.dim}")
+    o = score_options(options)
+    queries = gradient_rows(queries, index.dim)
+    check_scores_out(scores_out, queries.shape[0] if o.aggregate == "none" else 1, len(index))
     if o.search == "faiss":
         if scores_out is not None:
             raise AssayError("--search faiss gives top-k only; drop --save_scores or use --search exact")
