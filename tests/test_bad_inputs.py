@@ -292,3 +292,14 @@ def test_score_refuses_non_finite_gradients_and_foreign_arguments():
     _one_line(lambda: assay.score(train, bad), r"train gradient 1 \(0-based\) holds inf/NaN")
     _one_line(lambda: assay.score(train.rows, train), "queries must be the Gradients of collect_gradients")
     _one_line(lambda: assay.score(train, train, {"mode": "cosine"}), r"options must be an assay.ScoreOptions")
+
+
+def test_load_factors_and_open_index_refuse_what_they_cannot_read_in_one_line(tmp_path):
+    (tmp_path / "text.safetensors").write_text("not safetensors")
+    _one_line(lambda: assay.load_factors(tmp_path / "text.safetensors"), "is not a readable assay K-FAC")
+    _one_line(lambda: assay.load_factors(tmp_path / "missing.safetensors"), "no K-FAC factors at")
+    _one_line(lambda: assay.load_factors(None), "must be a path")
+    _one_line(
+        lambda: assay.open_index(tmp_path, verify="bogus"), "unknown verify='bogus'.*'fast', 'full', 'none'"
+    )
+    _one_line(lambda: assay.open_index(None), "open_index's path must be a path")

@@ -32,7 +32,7 @@ import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import numpy as np
 import torch
@@ -43,6 +43,7 @@ from assay.attribution.normalizers import sample_positions
 from assay.core.console import note
 from assay.core.distributed import Distributed
 from assay.core.errors import AssayError, first_line
+from assay.core.paths import as_path
 from assay.core.precision import STATS_DTYPE, full_precision
 from assay.core.runs import DONE_FILE, read_json, write_json
 from assay.lm.models import STRICT_FINGERPRINT, fingerprint_as
@@ -147,8 +148,10 @@ def module_slices(meta: dict[str, Any]) -> dict[str, slice]:
 
 def open_index(path: Path | str, verify: Verify = "fast") -> GradientIndex:
     """Open a finished index (memory-mapped), verified first (see the module docstring).
-    Clear errors for incomplete, damaged or foreign folders."""
-    path = Path(path)
+    Clear errors for incomplete, damaged or foreign folders, and for a `verify` not in Verify."""
+    path = as_path(path, "open_index's path")
+    if verify not in get_args(Verify):
+        raise AssayError(f"unknown verify={verify!r}; choose one of {', '.join(map(repr, get_args(Verify)))}")
     if not path.exists():
         part = path.with_name(path.name + ".part")
         if part.exists():

@@ -65,10 +65,10 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
@@ -76,7 +76,8 @@ from assay.attribution.api import Gradients
 from assay.attribution.collector import GradientCollector, Objective, layout
 from assay.attribution.precondition import single_thread
 from assay.attribution.projection import Projector
-from assay.core.errors import AssayError
+from assay.core.errors import AssayError, first_line
+from assay.core.paths import as_path
 from assay.core.precision import LINALG_DTYPE, STATS_DTYPE, PrecisionPolicy
 from assay.lm.hooks import is_conv1d
 
@@ -248,23 +249,39 @@ def save_factors(factors: KronFactors, path: str | Path) -> Path:
 
 
 def load_factors(path: str | Path) -> KronFactors:
-    """Read factors written by `save_factors`."""
-    path = Path(path)
+    """Read factors written by `save_factors` (one line for a missing, foreign or damaged file)."""
+    path = as_path(path, "load_factors' path")
     if not path.is_file():
-        raise AssayError(f"no K-FAC factors at {path}; build the index with --preconditioner kfac or ekfac")
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-        if meta.get("format") != FORMAT:
-            raise AssayError(f"{path} is not an assay K-FAC factor file (format {meta.get('format')!r})")
-        modules = {}
-        for entry in json.loads(meta["modules"]):
-            name = entry["name"]
-            sides = {}
-            for side in ("a", "g"):
-                vecs = [f.get_tensor(f"{name}/{side}/vectors/{k}") for k in range(entry[f"{side}_blocks"])]
-                sides[side] = SideBasis(vecs, f.get_tensor(f"{name}/{side}/values"))
-            lam = f.get_tensor(f"{name}/lambda") if f"{name}/lambda" in f.keys() else None
-            modules[name] = ModuleFactors(sides["a"], sides["g"], lam, bool(entry["conv1d"]))
+        raise AssayError(
+            f"no K-FAC factors at {path}: give a file written by save_factors (an index built with "
+            "--preconditioner kfac or ekfac holds one)"
+        )
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            if meta.get("format") != FORMAT:
+                raise AssayError(f"{path} is not an assay K-FAC factor file (format {meta.get('format')!r})")
+            return _read_factors(f, meta)
+    except AssayError:
+        raise
+    except (SafetensorError, OSError, KeyError, ValueError, TypeError) as e:  # foreign, torn or garbled
+        raise AssayError(
+            f"{path} is not a readable assay K-FAC factor file ({first_line(e)}): it is damaged, or "
+            "not one that save_factors wrote"
+        ) from None
+
+
+def _read_factors(f: Any, meta: dict[str, str]) -> KronFactors:
+    """The factors in an opened factor file whose header is `meta`."""
+    modules = {}
+    for entry in json.loads(meta["modules"]):
+        name = entry["name"]
+        sides = {}
+        for side in ("a", "g"):
+            vecs = [f.get_tensor(f"{name}/{side}/vectors/{k}") for k in range(entry[f"{side}_blocks"])]
+            sides[side] = SideBasis(vecs, f.get_tensor(f"{name}/{side}/values"))
+        lam = f.get_tensor(f"{name}/lambda") if f"{name}/lambda" in f.keys() else None
+        modules[name] = ModuleFactors(sides["a"], sides["g"], lam, bool(entry["conv1d"]))
     kind = meta["kind"]
     return KronFactors(kind, modules, meta["fisher"], int(meta["block_size"]), int(meta["examples"]))  # type: ignore[arg-type]
 
