@@ -209,7 +209,7 @@ def run_assay(args: argparse.Namespace) -> None:
             with averaged(opt):  # signum: the averaged point, as assay saves it
                 calibrate_threshold(sae, last)  # BatchTopK kinds: the threshold assay saves
                 sae.act_scale.fill_(scale)  # the batches were scaled: save for raw activations
-                save_sae(args.data / "saes" / name, sae, {"hook_name": "synthetic"})
+                save_sae(args.data / "saes" / name, sae, {"hook_name": "synthetic"}, overwrite=True)
             save_line(args, {"name": name, **rec})
 
 

@@ -21,10 +21,12 @@ from assay.core.config import DataConfig
 from assay.core.errors import AssayError
 from assay.core.runs import RunFolder, run_folder, write_json
 from assay.lm.models import resolve_device
+from assay.sae import saelens_format
 from assay.sae.config import SaeArchConfig, SaeEvalConfig, SaeTrainConfig
 from assay.sae.evaluate import metrics_path
 from assay.selection.coreset import CoresetConfig
 from assay.training.subset import read_ids, read_weights
+from tests.helpers import make_sae
 
 
 @dataclass
@@ -303,3 +305,47 @@ def test_load_factors_and_open_index_refuse_what_they_cannot_read_in_one_line(tm
         lambda: assay.open_index(tmp_path, verify="bogus"), "unknown verify='bogus'.*'fast', 'full', 'none'"
     )
     _one_line(lambda: assay.open_index(None), "open_index's path must be a path")
+
+
+def _sae_files(folder) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in folder.iterdir()}
+
+
+def test_save_sae_writes_only_new_folders_or_its_own_sae_with_overwrite(tmp_path):
+    sae, other = make_sae("relu"), make_sae("relu", seed=1)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    (tmp_path / "file").write_text("keep")
+    _one_line(lambda: assay.save_sae(mine, sae, {}), "holds notes.txt that save_sae did not write")
+    _one_line(lambda: assay.save_sae(mine, sae, {}, overwrite=True), "choose a new or empty folder")
+    _one_line(lambda: assay.save_sae(tmp_path / "file", sae, {}), "is a file")
+    assert (mine / "notes.txt").read_text() == "keep" and (tmp_path / "file").read_text() == "keep"
+    saved = assay.save_sae(tmp_path / "sae", sae)  # no metadata: fine
+    first = _sae_files(saved)
+    _one_line(lambda: assay.save_sae(saved, other, {}), "already holds an SAE; pass overwrite=True")
+    assert _sae_files(saved) == first
+    assay.save_sae(saved, other, {"hook_name": "h"}, overwrite=True)
+    loaded, meta = assay.load_sae(saved)
+    assert meta["hook_name"] == "h" and bool((loaded.W_enc == other.W_enc).all())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "mine", "sae"]  # no temporaries
+
+
+def test_save_sae_refuses_bad_arguments_and_a_failed_write_leaves_no_trace(tmp_path, monkeypatch):
+    sae = make_sae("relu", d_sae=32)
+    _one_line(lambda: assay.save_sae(tmp_path / "a", sae, "meta"), "metadata must be a dict")
+    _one_line(
+        lambda: assay.save_sae(tmp_path / "a", sae, {}, [0.0]), r"log_densities must be a tensor \[32\]"
+    )
+    _one_line(lambda: assay.save_sae(None, sae), "must be a path")
+    saved = assay.save_sae(tmp_path / "sae", sae, {})
+    before = _sae_files(saved)
+
+    def fails(*a, **k):
+        raise OSError("disk failed")
+
+    monkeypatch.setattr(saelens_format, "write_json", fails)  # after the weights are written
+    for target in (tmp_path / "new", saved):
+        with pytest.raises(OSError, match="disk failed"):
+            assay.save_sae(target, make_sae("relu", d_sae=32, seed=1), {}, overwrite=True)
+    assert _sae_files(saved) == before and sorted(p.name for p in tmp_path.iterdir()) == ["sae"]

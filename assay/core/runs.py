@@ -259,16 +259,42 @@ class RunFolder:
         """Mark the run finished and move it into place in one rename."""
         done = {"finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **(summary or {})}
         write_json(self.path / DONE_FILE, done)
-        old = self.final.with_name(self.final.name + ".replaced")
-        if self.final.exists():
-            os.replace(self.final, old)
-        os.replace(self.path, self.final)
+        replace_folder(self.path, self.final)
         # the lock file moved with the folder: drop it, then release (a process that opened
         # `.part/.lock` before the rename is refused; one that comes later finds no `.part`)
         (self.final / LOCK_FILE).unlink(missing_ok=True)
         self.close()
-        shutil.rmtree(old, ignore_errors=True)
         return self.final
+
+
+def replace_folder(written: Path, final: Path) -> None:
+    """Move the whole folder `written` to `final`: the folder there (if any) is set aside, the new
+    one renamed into place, the old one deleted; `final` is never a mix of the two."""
+    old = _writer_tmp(final.with_name(final.name + ".replaced"))
+    if final.exists():
+        os.replace(final, old)
+    os.replace(written, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+@contextmanager
+def new_folder(final: Path | str) -> Iterator[Path]:
+    """A fresh folder beside `final` to write into; when the block finishes it replaces `final`
+    (`replace_folder`), when it fails it is removed (a full disk: one line). The caller decides
+    beforehand whether `final` may be replaced."""
+    final = Path(final).absolute()
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _writer_tmp(final)
+    tmp.mkdir()
+    try:
+        yield tmp
+        replace_folder(tmp, final)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        full = as_disk_full(e, final)
+        if full is not None:
+            raise full from None
+        raise
 
 
 def is_run_folder(path: Path) -> bool:

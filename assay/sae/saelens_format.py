@@ -24,7 +24,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from assay.core.errors import AssayError
-from assay.core.runs import read_json, write_json
+from assay.core.paths import as_path
+from assay.core.runs import new_folder, read_json, write_json
 from assay.sae.architectures import REGISTRY, Architecture, saved_as
 from assay.sae.architectures.jumprelu import MIN_THRESHOLD
 from assay.sae.config import SaeArchConfig
@@ -33,6 +34,7 @@ from assay.sae.model import SparseAutoencoder
 CFG_FILE = "cfg.json"
 WEIGHTS_FILE = "sae_weights.safetensors"
 SPARSITY_FILE = "sparsity.safetensors"
+SAE_FILES = (CFG_FILE, WEIGHTS_FILE, SPARSITY_FILE)
 SAELENS_FORMAT_VERSION = "6.0.0"  # the cfg.json layout written here (SAELens >= 6)
 TRANSCODERS = {"standard": "transcoder", "jumprelu": "jumprelu_transcoder"}  # SAELens 6 has no TopK one
 
@@ -53,13 +55,76 @@ def saved_architecture(sae: SparseAutoencoder) -> str:
 def save_sae(
     folder: Path | str,
     sae: SparseAutoencoder,
+    metadata: dict[str, Any] | None = None,
+    log_densities: torch.Tensor | None = None,
+    *,
+    overwrite: bool = False,
+) -> Path:
+    """Write `sae` (normalisation folded in first when needed) in SAELens format into `folder`.
+
+    `folder` must be new or empty, or, with `overwrite=True`, an SAE saved there before by
+    `save_sae`; any other file or folder is refused. The SAE is written beside it and renamed
+    into place, so `folder` never holds half an SAE. `metadata` goes into cfg.json's metadata
+    (SAELens reads `hook_name`, `model_name`, `context_size`).
+    """
+    folder = as_path(folder, "save_sae's folder")
+    _check_what_is_saved(sae, metadata, log_densities)
+    check_destination(folder, overwrite)
+    with new_folder(folder) as tmp:
+        write_sae_files(tmp, sae, metadata or {}, log_densities)
+    return folder
+
+
+def _check_what_is_saved(sae: Any, metadata: Any, log_densities: Any) -> None:
+    """save_sae's arguments, refused in one line before anything is written."""
+    if not isinstance(sae, SparseAutoencoder):
+        raise AssayError(f"save_sae saves an assay SparseAutoencoder, not a {type(sae).__name__}")
+    if not isinstance(metadata, dict | None):
+        raise AssayError(f"save_sae's metadata must be a dict (or None), not a {type(metadata).__name__}")
+    shape = list(log_densities.shape) if isinstance(log_densities, torch.Tensor) else None
+    if log_densities is not None and shape != [sae.d_sae]:
+        got = shape if shape is not None else type(log_densities).__name__
+        raise AssayError(
+            f"save_sae's log_densities must be a tensor [{sae.d_sae}] (log10 densities), not {got}"
+        )
+    saved_architecture(sae)  # SAELens has no TopK transcoder
+
+
+def check_destination(folder: Path, overwrite: bool) -> None:
+    """Refuse a file, a folder save_sae did not write, or (without `overwrite`) an earlier SAE."""
+    if folder.exists() and not folder.is_dir():
+        raise AssayError(f"{folder} is a file; give save_sae a folder to write the SAE into")
+    if not folder.exists() or not any(folder.iterdir()):
+        return
+    foreign = sorted(p.name for p in folder.iterdir() if p.name not in SAE_FILES)
+    if foreign or not _saved_by_assay(folder):
+        what = foreign[0] if foreign else f"a {CFG_FILE}"
+        raise AssayError(
+            f"{folder} holds {what} that save_sae did not write; it replaces only an SAE it saved: "
+            "choose a new or empty folder"
+        )
+    if not overwrite:
+        raise AssayError(f"{folder} already holds an SAE; pass overwrite=True to replace it")
+
+
+def _saved_by_assay(folder: Path) -> bool:
+    """Whether `folder` holds an SAE this module wrote (its cfg.json names an assay architecture)."""
+    try:
+        cfg = read_json(folder / CFG_FILE)
+    except AssayError:
+        return False
+    return isinstance(cfg, dict) and "assay_architecture" in (cfg.get("metadata") or {})
+
+
+def write_sae_files(
+    folder: Path,
+    sae: SparseAutoencoder,
     metadata: dict[str, Any],
     log_densities: torch.Tensor | None = None,
-) -> Path:
-    """Write `sae` (normalisation folded in first when needed) in SAELens format."""
-    folder = Path(folder)
+) -> None:
+    """Write the SAE's files into `folder`, an existing folder the caller writes atomically (a
+    run folder's `.part`, save_sae's temporary folder)."""
     arch = saved_architecture(sae)
-    folder.mkdir(parents=True, exist_ok=True)
     if float(sae.act_scale) != 1.0 or float(sae.out_scale) != 1.0:
         sae = sae.folded()
     weights = {
@@ -94,7 +159,6 @@ def save_sae(
         save_file(
             {"sparsity": log_densities.detach().float().cpu().contiguous()}, str(folder / SPARSITY_FILE)
         )
-    return folder
 
 
 def load_sae(folder: Path | str) -> tuple[SparseAutoencoder, dict[str, Any]]:

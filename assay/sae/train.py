@@ -48,7 +48,7 @@ from assay.sae.optim import (  # noqa: F401  (re-exported: the SAE's optimizer A
     make_optimizer,
     normalise_decoder,
 )
-from assay.sae.saelens_format import save_sae, saved_architecture
+from assay.sae.saelens_format import saved_architecture, write_sae_files
 from assay.sae.sources import build_data, hookpoints
 from assay.training.metrics import start_wandb
 
@@ -162,7 +162,7 @@ def train_sae(cfg: SaeTrainConfig) -> dict[str, Any]:
         for name, t, result in zip(names, trainees, results):
             summaries[name] = _summary(t.cfg, policy, t.sae, result, seconds)
             if dist.is_main:  # the ranks hold identical SAEs
-                save_sae(t.run_dir, t.sae.folded(), _metadata(t.cfg, policy), result["log_densities"])
+                write_sae_files(t.run_dir, t.sae.folded(), _metadata(t.cfg, policy), result["log_densities"])
                 shutil.rmtree(t.run_dir / CHECKPOINT, ignore_errors=True)  # .old/.tmp never outlive a write
                 if len(trainees) > 1:
                     write_json(t.run_dir / "summary.json", summaries[name])
