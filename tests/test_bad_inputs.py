@@ -349,3 +349,11 @@ def test_save_sae_refuses_bad_arguments_and_a_failed_write_leaves_no_trace(tmp_p
         with pytest.raises(OSError, match="disk failed"):
             assay.save_sae(target, make_sae("relu", d_sae=32, seed=1), {}, overwrite=True)
     assert _sae_files(saved) == before and sorted(p.name for p in tmp_path.iterdir()) == ["sae"]
+
+
+def test_build_report_takes_one_folder_as_a_str(tmp_path):
+    out = tmp_path / "run"
+    _finished(out, _Cfg(out=str(out)))
+    page = assay.build_report(str(out), tmp_path / "r.html").read_text()
+    assert str(out) in page
+    _one_line(lambda: assay.build_report([], tmp_path / "r.html"), "at least one run folder")

@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import tyro
 
 from assay.core.console import note
 from assay.core.errors import AssayError
+from assay.core.paths import as_path
 from assay.report import html as h
 from assay.report.common import ViewOptions, generic_section
 from assay.report.demo import demo_overview
@@ -117,6 +119,20 @@ ABOUT = (
 )
 
 
+def _folders(run_dirs: Any) -> list[Path]:
+    """The run folders as a list (one str or Path: that folder), each named once."""
+    if isinstance(run_dirs, str | os.PathLike):
+        run_dirs = [run_dirs]
+    if not isinstance(run_dirs, Iterable):
+        raise AssayError(
+            f"build_report takes run folders (a list of paths, or one), not {type(run_dirs).__name__}"
+        )
+    folders = [as_path(p, "each run folder of build_report") for p in run_dirs]
+    if not folders:
+        raise AssayError("give build_report at least one run folder")
+    return list(dict.fromkeys(folders))  # a folder named twice: one section
+
+
 def _check_target(out: Path) -> None:
     """Replace an earlier assay report, never another file."""
     if out.is_dir():
@@ -128,18 +144,19 @@ def _check_target(out: Path) -> None:
 
 
 def build_report(
-    run_dirs: list[Path],
-    out_html: Path,
+    run_dirs: Iterable[Path | str] | Path | str,
+    out_html: Path | str,
     title: str | None = None,
     features: int = 32,
     feature_examples: int = 8,
 ) -> Path:
     """Write one HTML page with a section per run folder (and per nested stage); returns its path.
 
-    `features` and `feature_examples` bound what SAE feature browsers show (see ReportConfig).
+    `run_dirs` is a list of run folders, or one folder (a str or Path). `features` and
+    `feature_examples` bound what SAE feature browsers show (see ReportConfig).
     """
-    run_dirs = list(dict.fromkeys(Path(p) for p in run_dirs))  # a folder named twice: one section
-    out_html = Path(out_html)
+    run_dirs = _folders(run_dirs)
+    out_html = as_path(out_html, "build_report's out_html")
     _check_target(out_html)
     title = title or "assay report — " + ", ".join(p.name for p in run_dirs)
     text = render_page(run_dirs, title, ViewOptions(features=features, feature_examples=feature_examples))
