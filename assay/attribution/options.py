@@ -84,6 +84,7 @@ def gradient_rows(rows: Any, dim: int, what: str = "query") -> torch.Tensor:
     if not isinstance(rows, torch.Tensor) or not rows.is_floating_point():
         got = f"{type(rows).__name__} of {rows.dtype}" if hasattr(rows, "dtype") else type(rows).__name__
         raise AssayError(f"{what} gradients must be a float tensor or numpy array [Q, {dim}], not a {got}")
+    rows = rows.detach()  # rows that require grad (a user's own) cannot become the numpy the kernel reads
     if rows.ndim == 1:
         rows = rows[None]
     if rows.ndim != 2 or rows.shape[1] != dim:
