@@ -219,9 +219,19 @@ FACTORS_FILE = "kfac.safetensors"
 FORMAT = "assay-kfac/1"
 
 
-def save_factors(factors: KronFactors, path: str | Path) -> Path:
-    """Write the factors to one safetensors file (fp32 tensors, metadata in its header)."""
-    path = Path(path)
+def save_factors(factors: KronFactors, path: str | Path, *, overwrite: bool = False) -> Path:
+    """Write the factors to one safetensors file (fp32 tensors, metadata in its header).
+
+    `path` must be a new file in an existing folder or, with `overwrite=True`, factors an earlier
+    `save_factors` wrote; any other file, or a folder, is refused. The file is written beside
+    `path` and renamed into place: never half a file under its name, no temporary left behind.
+    """
+    if not isinstance(factors, KronFactors):
+        raise AssayError(f"save_factors saves the KronFactors of fit_kfac, not a {type(factors).__name__}")
+    if factors.kind not in KINDS:
+        raise AssayError(f"these factors' kind {factors.kind!r} is not one of {', '.join(KINDS)}")
+    path = as_path(path, "save_factors' path")
+    _check_destination(path, overwrite)
     tensors: dict[str, torch.Tensor] = {}
     layout_meta = []
     for name, mf in factors.modules.items():
@@ -243,9 +253,40 @@ def save_factors(factors: KronFactors, path: str | Path) -> Path:
         "modules": json.dumps(layout_meta),
     }
     tmp = path.with_name(path.name + ".tmp")  # atomic: a build killed while saving resumes cleanly
-    save_file(tensors, str(tmp), metadata=meta)
-    os.replace(tmp, path)
+    try:
+        save_file(tensors, str(tmp), metadata=meta)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return path
+
+
+def _check_destination(path: Path, overwrite: bool) -> None:
+    """Refuse a folder, a missing parent folder, a file that is not factors, or (without
+    `overwrite`) earlier factors: save_factors never replaces what it did not write."""
+    if path.is_dir():
+        raise AssayError(f"{path} is a folder; give save_factors a file path, e.g. {path / FACTORS_FILE}")
+    if not path.parent.is_dir():
+        raise AssayError(f"no folder {path.parent} to save the factors in; create it first")
+    if not path.exists():
+        return
+    if not _holds_factors(path):
+        raise AssayError(
+            f"{path} exists and is not K-FAC factors; save_factors replaces only factors it wrote: "
+            "choose a new path"
+        )
+    if not overwrite:
+        raise AssayError(f"{path} already holds K-FAC factors; pass overwrite=True to replace them")
+
+
+def _holds_factors(path: Path) -> bool:
+    """Whether `path` is a file save_factors wrote (its header names the format)."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return (f.metadata() or {}).get("format") == FORMAT
+    except (SafetensorError, OSError, ValueError):
+        return False
 
 
 def load_factors(path: str | Path) -> KronFactors:

@@ -4,12 +4,16 @@ or a model left frozen), or, for ordinary DataLoader batches, simply accepted.""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from assay.attribution.api import Gradients, collect_gradients, score
+from assay.attribution.kfac import load_factors, save_factors
+from assay.attribution.kfac_fit import fit_kfac
 from assay.attribution.options import ScoreOptions
+from assay.core.errors import AssayError
 
 
 def _mlp() -> nn.Module:
@@ -40,9 +44,46 @@ def _ce(model: nn.Module, batch: dict) -> torch.Tensor:
 
 
 # --- kfac_influence's options ---------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def fitted():
+    model, b = _mlp(), _batches()
+    return model, b, fit_kfac(model, b, _ce, kind="ekfac"), fit_kfac(model, b, _ce, kind="kfac")
 
 
 # --- save_factors ---------------------------------------------------------------------------------
+def test_save_factors_writes_only_new_files_or_its_own_factors_with_overwrite(fitted, tmp_path):
+    _, _, ekfac, kfac = fitted
+    mine = tmp_path / "notes.txt"
+    mine.write_text("my data")
+    with pytest.raises(AssayError, match="exists and is not K-FAC factors"):
+        save_factors(ekfac, mine)
+    assert mine.read_text() == "my data"
+    with pytest.raises(AssayError, match="is a folder; give save_factors a file path"):
+        save_factors(ekfac, tmp_path)
+    with pytest.raises(AssayError, match="no folder .*nope to save the factors in"):
+        save_factors(ekfac, tmp_path / "nope" / "kfac.safetensors")
+    with pytest.raises(AssayError, match="saves the KronFactors of fit_kfac, not a str"):
+        save_factors("kfac", tmp_path / "k.safetensors")  # type: ignore[arg-type]
+    path = save_factors(ekfac, tmp_path / "k.safetensors")
+    with pytest.raises(AssayError, match="already holds K-FAC factors; pass overwrite=True"):
+        save_factors(kfac, path)
+    assert load_factors(path).kind == "ekfac"
+    save_factors(kfac, path, overwrite=True)
+    assert load_factors(path).kind == "kfac"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["k.safetensors", "notes.txt"]  # no .tmp
+
+
+def test_a_failed_save_leaves_no_temporary_file(fitted, tmp_path, monkeypatch):
+    from assay.attribution import kfac
+
+    def full(tensors, filename, metadata=None):
+        open(filename, "wb").write(b"half")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(kfac, "save_file", full)
+    with pytest.raises(OSError):
+        save_factors(fitted[2], tmp_path / "k.safetensors")
+    assert list(tmp_path.iterdir()) == []
 
 
 # --- score ----------------------------------------------------------------------------------------
