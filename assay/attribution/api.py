@@ -5,18 +5,22 @@
     result = score(queries, grads, ScoreOptions(mode="trackstar"))   # result.scores [Q, N], result.top
 
 `loss_fn(model, batch) -> [B]` returns one scalar per example (e.g. an unreduced cross-entropy
-of a classifier); batches are dicts of tensors. The same seeded projection is used for both
-calls when `projection_dim` and `seed` agree, so the two sets of rows are comparable.
+of a classifier); batches are dicts of tensors (other values, e.g. texts, reach loss_fn as they
+are). The same seeded projection is used for both calls when `projection_dim` and `seed` agree,
+so the two sets of rows are comparable.
 """
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
+from assay.attribution.batches import check_batches, model_device, to_device
 from assay.attribution.collector import GradientCollector, Objective, linear_modules
 from assay.attribution.kernel import TopRows, plan_queries, score_rows
 from assay.attribution.options import ScoreOptions, gradient_rows, score_options
@@ -48,31 +52,44 @@ class Scores:
 
 def collect_gradients(
     model: nn.Module,
-    batches: Iterable[dict[str, torch.Tensor]],
+    batches: Iterable[dict[str, Any]],
     loss_fn: Objective,
-    modules: tuple[str, ...] = ("*",),
+    modules: str | tuple[str, ...] = ("*",),
     projection_dim: int = 16,
     seed: int = 0,
     precision: str = "fp32",
 ) -> Gradients:
-    """Projected per-example gradients of `loss_fn` w.r.t. the linear layers matching `modules`.
+    """Projected per-example gradients of `loss_fn` w.r.t. the linear layers matching `modules`
+    (glob patterns; one str is one pattern). `projection_dim` 0 keeps the raw gradients.
 
     Rows come out in the order of the batches' examples. The model's parameters are left as
     they were (requires_grad is restored); no `.grad` is formed.
     """
-    device = next(model.parameters()).device
+    projection_dim = _whole(projection_dim, "projection_dim", minimum=0)
+    seed = _whole(seed, "seed")  # the projection hashes the seed's text: 0.0 would be another one
+    check_batches(batches)
+    device = model_device(model)
     policy = PrecisionPolicy.resolve(precision, device)
     chosen = linear_modules(model, modules)
     collector = GradientCollector(model, chosen, Projector(projection_dim, seed), policy)
     parts = []
     with collector:
         for batch in batches:
-            grads, _ = collector.gradients({k: v.to(device) for k, v in batch.items()}, loss_fn)
+            grads, _ = collector.gradients(to_device(batch, device), loss_fn)
             parts.append(grads.cpu())
     if not parts:
         raise AssayError("no batches to collect gradients from")
     slices = {s.name: slice(s.start, s.stop) for s in collector.slots}
     return Gradients(torch.cat(parts), slices, projection_dim, seed)
+
+
+def _whole(value: Any, name: str, minimum: int | None = None) -> int:
+    """`value` as an int, or one line for a float, a bool or one below `minimum`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise AssayError(f"{name} must be an int, not {value!r}")
+    if minimum is not None and value < minimum:
+        raise AssayError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
 
 
 def score(queries: Gradients, train: Gradients, options: ScoreOptions | None = None) -> Scores:

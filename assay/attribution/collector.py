@@ -24,7 +24,7 @@ up to the order of the key/value gradient sums; docs/index-format.md).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from assay.attribution.batches import check_losses
 from assay.attribution.projection import Projector
 from assay.core.console import warn
 from assay.core.errors import AssayError
@@ -50,26 +51,46 @@ FP16_INITIAL_SCALE = 2.0**12
 FP16_MAX_RETRIES = 12
 
 
-def linear_modules(model: nn.Module, patterns: tuple[str, ...] = DEFAULT_MODULES) -> dict[str, nn.Module]:
+def linear_modules(model: nn.Module, patterns: str | Sequence[str] = DEFAULT_MODULES) -> dict[str, nn.Module]:
     """Trainable linear layers (nn.Linear, Conv1D, and each expert's projections of an MoE
-    layer, `assay.lm.moe`) matching the glob patterns (`!` excludes).
+    layer, `assay.lm.moe`) matching the glob patterns (`!` excludes; one str is one pattern).
 
     "Trainable" means weight.requires_grad: with a LoRA adapter only its A/B layers qualify.
     """
+    patterns = module_patterns(patterns)
     expose_experts(model)
-    found = {n: m for n, m in model.named_modules() if _trainable_linear(m)}
+    linear = {n: m for n, m in model.named_modules() if isinstance(m, ExpertLinear) or is_linear(m)}
+    found = {n: m for n, m in linear.items() if _trainable(m)}
     _warn_uncovered_experts(model)
     chosen = match_modules(list(found), patterns)
     if not chosen:
+        given = " ".join(patterns)
+        frozen = match_modules([n for n in linear if n not in found], patterns)
+        if frozen:
+            raise AssayError(
+                f"the {len(frozen)} linear modules matching --modules {given} (e.g. {frozen[0]}) are all "
+                "frozen (requires_grad=False): unfreeze those to attribute, e.g. model.requires_grad_(True)"
+            )
         sample = ", ".join(list(found)[:6]) or "none"
-        raise AssayError(f"no trainable linear module matches --modules {' '.join(patterns)}; some: {sample}")
+        raise AssayError(f"no trainable linear module matches --modules {given}; some: {sample}")
     return {n: found[n] for n in chosen}
 
 
-def _trainable_linear(module: nn.Module) -> bool:
+def module_patterns(patterns: Any) -> tuple[str, ...]:
+    """Glob patterns as a tuple: one str is one pattern (not one per character)."""
+    if isinstance(patterns, str):
+        return (patterns,)
+    if isinstance(patterns, Iterable) and all(isinstance(p, str) for p in patterns):
+        return tuple(patterns)
+    raise AssayError(
+        f"modules must be glob patterns over module names (a str or a tuple of str), not {patterns!r}"
+    )
+
+
+def _trainable(module: nn.Module) -> bool:
     if isinstance(module, ExpertLinear):
         return module.trainable
-    return is_linear(module) and bool(module.weight.requires_grad)  # type: ignore[union-attr]
+    return bool(module.weight.requires_grad)  # type: ignore[union-attr]
 
 
 def _warn_uncovered_experts(model: nn.Module) -> None:
@@ -180,9 +201,13 @@ class GradientCollector:
         self._requires_grad = {n: p.requires_grad for n, p in self.model.named_parameters()}
         for p in self.model.parameters():
             p.requires_grad_(False)  # no weight-gradient GEMMs, no .grad
-        self.attach()
-        self._lean.enter_context(recompute_elementwise(self.model, self._compiled))
-        self._lean.enter_context(grouped_query_attention(self._device))
+        try:
+            self.attach()
+            self._lean.enter_context(recompute_elementwise(self.model, self._compiled))
+            self._lean.enter_context(grouped_query_attention(self._device))
+        except BaseException:
+            self.__exit__()  # `with` calls no __exit__ when entering fails: never leave the model frozen
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -363,7 +388,7 @@ class GradientCollector:
         self._saved, self._blocks, self._pending = {}, {}, None
         try:
             with torch.enable_grad(), self.policy.autocast():
-                values = objective(self.model, batch)  # [B]
+                values = check_losses(objective(self.model, batch), batch)  # [B]
             self._flush()
             values = values.to(STATS_DTYPE)
             if not values.requires_grad:

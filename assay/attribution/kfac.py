@@ -73,6 +73,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from assay.attribution.api import Gradients
+from assay.attribution.batches import check_batches, model_device, to_device
 from assay.attribution.collector import GradientCollector, Objective, layout
 from assay.attribution.precondition import single_thread
 from assay.attribution.projection import Projector
@@ -332,7 +333,7 @@ def resolve_policy(model: nn.Module, precision: str | PrecisionPolicy) -> Precis
     """A policy as given, or resolved from a `--precision` name on the model's device."""
     if isinstance(precision, PrecisionPolicy):
         return precision
-    return PrecisionPolicy.resolve(precision, next(model.parameters()).device)
+    return PrecisionPolicy.resolve(precision, model_device(model))
 
 
 def factor_modules(model: nn.Module, factors: KronFactors) -> dict[str, nn.Module]:
@@ -431,16 +432,14 @@ def precondition_queries(
     unbiased but noisy estimate (see the module docstring: `projected_curvature` is the better
     choice for a projected index).
     """
-    device = next(model.parameters()).device
-    policy = (
-        precision if isinstance(precision, PrecisionPolicy) else PrecisionPolicy.resolve(precision, device)
-    )
+    check_batches(batches, "query batches")
+    policy = resolve_policy(model, precision)
     modules = factor_modules(model, factors)
     collector = GradientCollector(model, modules, Projector(0), policy)
     parts = []
     with collector:
         for batch in batches:
-            raw, _ = collector.gradients({k: v.to(policy.device) for k, v in batch.items()}, loss_fn)
+            raw, _ = collector.gradients(to_device(batch, policy.device), loss_fn)
             parts.append(precondition_rows(raw, factors, projector, kind, damping, absolute_damping).cpu())
     if not parts:
         raise AssayError("no query batches to precondition")

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from assay.attribution.batches import batch_examples, check_batches, check_losses, model_device, to_device
 from assay.attribution.collector import (
     DEFAULT_MODULES,
     FP16_INITIAL_SCALE,
@@ -218,7 +219,7 @@ class FactorCollector:
         self._mask = None if mask is None else mask.to(STATS_DTYPE)
         self._mask_count = 0 if mask is None else int(mask.sum())
         with torch.enable_grad(), self.policy.autocast():
-            values = objective(self.model, batch)  # [B]
+            values = check_losses(objective(self.model, batch), batch)  # [B]
         values = values.to(STATS_DTYPE)
         if not values.requires_grad:
             raise AssayError("the objective does not depend on any of the K-FAC modules")
@@ -271,23 +272,17 @@ def _run(
     dist: Distributed | None,
     desc: str,
 ) -> None:
-    total = sum(_batch_size(b) for b in batches) if isinstance(batches, Sequence) else 0
+    total = sum(batch_examples(b) or 0 for b in batches) if isinstance(batches, Sequence) else 0
     main = dist is None or dist.is_main
     with collector, Progress(total, desc, enabled=main and total > 0) as bar:
         for batch in batches:
-            collector.step({k: v.to(collector.policy.device) for k, v in batch.items()}, loss_fn)
+            collector.step(to_device(batch, collector.policy.device), loss_fn)
             mask = batch.get("attention_mask")
-            bar.update(_batch_size(batch), int(mask.sum()) if mask is not None else 0)
+            bar.update(batch_examples(batch) or 0, int(mask.sum()) if mask is not None else 0)
     if dist is not None:
         collector.all_reduce(dist)
     if not collector.counts.get("examples"):
         raise AssayError("no batches to fit K-FAC factors on")
-
-
-def _batch_size(batch: dict[str, torch.Tensor]) -> int:
-    """Examples in a batch: the leading size of its first tensor (any keys a loss_fn reads)."""
-    first = next(iter(batch.values()), None)
-    return int(first.shape[0]) if isinstance(first, torch.Tensor) and first.ndim else 0
 
 
 def covariance_bases(collector: FactorCollector) -> Bases:
@@ -307,7 +302,7 @@ def fit_kfac(
     batches: Iterable[dict[str, torch.Tensor]],
     loss_fn: Objective,
     kind: Kind = "ekfac",
-    modules: tuple[str, ...] | dict[str, nn.Module] = DEFAULT_MODULES,
+    modules: str | tuple[str, ...] | dict[str, nn.Module] = DEFAULT_MODULES,
     precision: str | PrecisionPolicy = "fp32",
     block_size: int = BLOCK_SIZE,
     dist: Distributed | None = None,
@@ -324,9 +319,10 @@ def fit_kfac(
     """
     if kind not in ("kfac", "ekfac"):
         raise AssayError(f"unknown K-FAC kind {kind!r}; choose kfac or ekfac")
+    check_batches(batches)
     if kind == "ekfac" and iter(batches) is batches:
         raise AssayError("EK-FAC reads the batches twice: pass a list of batches, not an iterator")
-    device = next(model.parameters()).device
+    device = model_device(model)
     policy = (
         precision if isinstance(precision, PrecisionPolicy) else PrecisionPolicy.resolve(precision, device)
     )

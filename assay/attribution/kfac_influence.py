@@ -17,6 +17,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from assay.attribution.batches import check_batches, to_device
 from assay.attribution.collector import DEFAULT_MODULES, GradientCollector, Objective
 from assay.attribution.kfac import (
     BLOCK_SIZE,
@@ -56,6 +57,8 @@ def kfac_influence(
     linear layers (biases are not attributed; see `kfac.py`). Pass `factors` already fitted to
     skip the fit (e.g. EK-FAC factors scored as "kfac").
     """
+    check_batches(train_batches, "train_batches")
+    check_batches(query_batches, "query_batches")
     train_batches = list(train_batches)  # read up to three times: the two fits and the scores
     if factors is None:
         factors = fit_kfac(model, train_batches, loss_fn, kind, modules, precision, BLOCK_SIZE)
@@ -68,7 +71,7 @@ def kfac_influence(
     parts = []
     with collector:
         for batch in train_batches:
-            raw, _ = collector.gradients({k: v.to(policy.device) for k, v in batch.items()}, loss_fn)
+            raw, _ = collector.gradients(to_device(batch, policy.device), loss_fn)
             parts.append((left @ raw.to(LINALG_DTYPE).T).cpu())  # [Q, B]
     if not parts:
         raise AssayError("no training batches to score")
