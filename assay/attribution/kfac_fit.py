@@ -285,8 +285,27 @@ def _run(
         raise AssayError("no batches to fit K-FAC factors on")
 
 
+def _refuse_unreached(collector: FactorCollector) -> None:
+    """One line naming the modules a first pass saw no tokens of on one side: never called, or
+    their output never reaches the loss. Their factors would be undefined (0/0), so they are
+    refused rather than guessed; their gradients are 0, so leaving them out changes no score."""
+    unreached = [
+        name
+        for name in collector.blocks
+        if not all(collector.counts.get(f"{name}|{side}", 0) for side in "ag")
+    ]
+    if unreached:
+        named = ", ".join(unreached[:3]) + (f" and {len(unreached) - 3} more" if len(unreached) > 3 else "")
+        raise AssayError(
+            f"no tokens or no gradient reached the K-FAC modules {named} in these batches: never called, "
+            "or their output never reaches the loss (an unused head, an expert no token was routed to); "
+            f"leave them out, e.g. modules=('!{unreached[0]}', ...)"
+        )
+
+
 def covariance_bases(collector: FactorCollector) -> Bases:
     """The fp64 eigendecompositions (stored fp32) of a finished first pass's A and G."""
+    _refuse_unreached(collector)
     bases: Bases = {}
     for name, (in_blocks, out_blocks) in collector.blocks.items():
         sides = []
@@ -314,6 +333,8 @@ def fit_kfac(
     is iterated twice for EK-FAC: pass a list (or any re-iterable collection), not a generator.
     `modules`: glob patterns as for the index (default: every trainable linear layer but the
     head) or the modules themselves. Padding tokens (attention_mask 0) contribute nothing.
+    A chosen module that gets no tokens or no gradient from the batches (never called, or its
+    output never reaches the loss) is refused, naming it: exclude it with `modules`.
     Under torchrun pass `dist` and each process's own shard of the batches: the sums are
     reduced over processes after each pass, so every rank ends with the same factors.
     """

@@ -52,6 +52,21 @@ class _Named(nn.Module):
         return self.head(torch.relu(self.mlp_out(torch.relu(self.mlp_in(x)))))
 
 
+class _SideHead(nn.Module):
+    """`aux` is computed but never reaches the loss; `unused` is never called."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.head = nn.Linear(6, 8), nn.Linear(8, 3)
+        self.aux, self.unused = nn.Linear(8, 2), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.body(x))
+        self.aux(h)
+        return self.head(h)
+
+
 # --- modules --------------------------------------------------------------------------------------
 def test_a_str_of_modules_is_one_pattern_everywhere():
     model, b = _Named(), _batches()
@@ -64,6 +79,19 @@ def test_a_str_of_modules_is_one_pattern_everywhere():
     torch.testing.assert_close(one, kfac_influence(model, b, b[:1], _ce, kind="kfac", modules=("!*head",)))
     with pytest.raises(AssayError, match="modules must be glob patterns"):
         linear_modules(model, (model.head,))  # type: ignore[arg-type]
+
+
+def test_fit_kfac_names_modules_that_never_reach_the_loss():
+    model, b = _SideHead(), _batches()
+    for fit in (
+        lambda: fit_kfac(model, b, _ce, kind="kfac"),
+        lambda: fit_kfac(model, b, _ce, kind="ekfac"),
+        lambda: kfac_influence(model, b, b[:1], _ce),
+    ):
+        with pytest.raises(AssayError, match=r"modules aux, unused in these batches.*modules=\('!aux'"):
+            fit()
+    factors = fit_kfac(model, b, _ce, modules=("!aux", "!unused"))
+    assert list(factors.modules) == ["body", "head"]
 
 
 def test_a_frozen_model_or_one_without_parameters_is_one_line():
