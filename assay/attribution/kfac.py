@@ -61,6 +61,7 @@ in² + out² + out·in numbers per module.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -174,11 +175,11 @@ class ModuleFactors:
     def damping(self, kind: Kind, damping: float = DAMPING, absolute: float | None = None) -> float:
         """δ for this module: `absolute` if given, else `damping` × the mean eigenvalue."""
         if absolute is not None:
-            if absolute < 0:
-                raise AssayError(f"absolute damping must be >= 0, got {absolute}")
+            if not 0 <= absolute < math.inf:  # NaN too: it would make every score NaN
+                raise AssayError(f"absolute damping must be a finite number >= 0, got {absolute}")
             return float(absolute)
-        if damping < 0:
-            raise AssayError(f"--damping must be >= 0, got {damping}")
+        if not 0 <= damping < math.inf:  # NaN scores all NaN, inf all 0
+            raise AssayError(f"--damping must be a finite number >= 0, got {damping}")
         return damping * float(self.eigenvalues(kind).to(LINALG_DTYPE).mean())
 
     def precondition(self, grad: torch.Tensor, kind: Kind, delta: float) -> torch.Tensor:

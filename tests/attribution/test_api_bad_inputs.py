@@ -36,6 +36,10 @@ def _ce(model: nn.Module, batch: dict) -> torch.Tensor:
     return F.cross_entropy(model(batch["x"]), batch["y"], reduction="none")  # [B]
 
 
+def _never(model: nn.Module, batch: dict) -> torch.Tensor:
+    raise RuntimeError("the check should have come before any work")
+
+
 def _trainable(model: nn.Module) -> list[bool]:
     return [p.requires_grad for p in model.parameters()]
 
@@ -210,6 +214,39 @@ def test_batches_that_are_not_dicts_or_not_a_collection_are_one_line():
 def fitted():
     model, b = _mlp(), _batches()
     return model, b, fit_kfac(model, b, _ce, kind="ekfac"), fit_kfac(model, b, _ce, kind="kfac")
+
+
+@pytest.mark.parametrize("damping", [float("nan"), float("inf"), -1.0])
+def test_kfac_influence_refuses_damping_that_is_not_finite_and_non_negative(fitted, damping):
+    model, b, ekfac, _ = fitted
+    with pytest.raises(AssayError, match="damping must be a finite number >= 0"):
+        kfac_influence(model, b, b, _ce, query_fn=_never, factors=ekfac, damping=damping)
+    with pytest.raises(AssayError, match="damping must be a finite number >= 0"):
+        ekfac.dampings(damping=damping)  # the CLI's --damping reaches the same rule
+
+
+def test_kfac_influence_checks_kind_and_modules_against_the_factors(fitted):
+    model, b, ekfac, kfac = fitted
+    with pytest.raises(AssayError, match="unknown K-FAC kind 'EKFAC'"):
+        kfac_influence(model, b, b, _ce, kind="EKFAC", query_fn=_never, factors=ekfac)  # type: ignore[arg-type]
+    with pytest.raises(AssayError, match="no EK-FAC eigenvalue correction.*kind='kfac'"):
+        kfac_influence(model, b, b, _ce, kind="ekfac", query_fn=_never, factors=kfac)
+    with pytest.raises(AssayError, match="selects other modules than the 2 the factors were fitted on"):
+        kfac_influence(model, b, b, _ce, modules=("2",), query_fn=_never, factors=ekfac)
+    same = kfac_influence(model, b, b[:1], _ce, modules="*", factors=ekfac)
+    torch.testing.assert_close(same, kfac_influence(model, b, b[:1], _ce, factors=ekfac))
+
+
+def test_kfac_influence_reads_factors_from_a_path(fitted, tmp_path):
+    model, b, ekfac, _ = fitted
+    path = save_factors(ekfac, tmp_path / "kfac.safetensors")
+    for given in (path, str(path)):
+        torch.testing.assert_close(
+            kfac_influence(model, b, b[:1], _ce, factors=given),
+            kfac_influence(model, b, b[:1], _ce, factors=ekfac),
+        )
+    with pytest.raises(AssayError, match="factors must be the KronFactors of fit_kfac or the path"):
+        kfac_influence(model, b, b, _ce, factors=42, query_fn=_never)  # type: ignore[arg-type]
 
 
 # --- save_factors ---------------------------------------------------------------------------------
