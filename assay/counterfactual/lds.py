@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -36,6 +37,16 @@ MIN_SUBSETS = 3
 
 _SUBSET_STREAM = 52_711
 """Salt in each subset's seed, so LDS subsets never share a random stream with other uses of `seed`."""
+
+
+def as_array(value: Any) -> np.ndarray:
+    """`value` as a numpy array; a torch tensor is detached and brought to the CPU first (one that
+    requires grad, as scores computed under autograd do, cannot become numpy as it is)."""
+    if hasattr(value, "detach"):  # a torch.Tensor, without importing torch into this numpy module
+        value = value.detach().cpu()
+        if value.is_floating_point():
+            value = value.double()  # numpy has no bfloat16
+    return np.asarray(value)
 
 
 def subset_size(n: int, alpha: float) -> int:
@@ -236,9 +247,9 @@ def linear_datamodel_score(
     (negated for losses). Queries where it is undefined are NaN and left out of the mean; the
     interval is a seeded percentile bootstrap over the defined queries.
     """
-    scores = np.asarray(scores)
-    masks = np.asarray(masks)
-    outputs = np.asarray(outputs)
+    scores = as_array(scores)
+    masks = as_array(masks)
+    outputs = as_array(outputs)
     _check_inputs(scores, masks, outputs)
     _check_bootstrap(num_resamples, confidence)
     if len(np.unique(masks.astype(bool), axis=0)) < 2:

@@ -223,15 +223,13 @@ def ground_truth(cfg: ValidateConfig, root: Path) -> GroundTruth:
         full = np.asarray(read_json(folder / "full.json")["outputs"], dtype=np.float64)
         outputs = collect_outputs(folder, cfg.num_subsets, len(queries.ids))
         truth = GroundTruth(masks, outputs, pool.ids.astype(np.int64), list(queries.ids), queries.texts, full)
-        truth.save(
-            folder,
-            {
-                "alpha": cfg.alpha,
-                "num_subsets": cfg.num_subsets,
-                "subset_seed": cfg.subset_seed,
-                "removal": cfg.removal,
-            },
-        )
+        settings = {
+            "alpha": cfg.alpha,
+            "num_subsets": cfg.num_subsets,
+            "subset_seed": cfg.subset_seed,
+            "removal": cfg.removal,
+        }
+        truth.save(folder, settings, overwrite=True)  # its own folder: an interrupted save's arrays
     dist.barrier()
     return GroundTruth.load(folder)
 
