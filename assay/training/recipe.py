@@ -7,17 +7,22 @@ can never drift apart.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import numbers
+import typing
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from assay.core.config import refuse_non_finite
 from assay.core.errors import AssayError
 from assay.training.schedule import ScheduleName, lr_factor, warmup_steps_for
 
 Step = tuple[int, np.ndarray]
 """(epoch, ids of the examples in this optimizer step)."""
+SCHEDULES: tuple[str, ...] = typing.get_args(ScheduleName)
 
 
 @dataclass
@@ -50,6 +55,10 @@ class TrainRecipe:
     """Clip the global gradient norm to this (0: no clipping)."""
 
     def __post_init__(self) -> None:
+        _check_types(self)
+        refuse_non_finite(self)
+        if self.schedule not in SCHEDULES:
+            raise AssayError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if self.effective_batch_size < 1 or self.micro_batch_size < 1:
             raise AssayError("--effective_batch_size and --micro_batch_size must be >= 1")
         if self.effective_batch_size % self.micro_batch_size:
@@ -65,8 +74,6 @@ class TrainRecipe:
             raise AssayError("--weight_decay and --max_grad_norm must be finite numbers >= 0")
         if not 0 < self.adam_eps < math.inf:
             raise AssayError(f"--adam_eps must be a finite number > 0, got {self.adam_eps}")
-        if not all(0.0 <= b < 1.0 for b in self.adam_betas):
-            raise AssayError(f"--adam_betas must lie in [0, 1), got {self.adam_betas}")
 
     def steps(self, plan: list[np.ndarray]) -> list[Step]:
         """Each epoch's ids (in visit order) cut into optimizer steps; the last of an epoch may be
@@ -98,3 +105,23 @@ class TrainRecipe:
             weight_decay=self.weight_decay,
             foreach=False,
         )
+
+
+def _is_number(value: object, integer: bool) -> bool:
+    """An int (integer=True) or real number, never a bool or a str that merely spells one."""
+    kind = numbers.Integral if integer else numbers.Real
+    return isinstance(value, kind) and not isinstance(value, bool)
+
+
+def _check_types(recipe: TrainRecipe) -> None:
+    """One line for a setting of the wrong type (`learning_rate="1e-4"`), which would otherwise
+    fail in a comparison or train with a silently different value."""
+    for f in dataclasses.fields(recipe):
+        value = getattr(recipe, f.name)
+        if f.type in ("int", "float") and not _is_number(value, f.type == "int"):
+            kind = "an integer" if f.type == "int" else "a number"
+            raise AssayError(f"--{f.name} must be {kind}, got {value!r} ({type(value).__name__})")
+    betas = recipe.adam_betas
+    two = isinstance(betas, tuple | list) and len(betas) == 2
+    if not two or not all(_is_number(b, False) and 0.0 <= b < 1.0 for b in betas):
+        raise AssayError(f"--adam_betas must be two numbers in [0, 1) (beta1, beta2), got {betas!r}")
