@@ -47,6 +47,7 @@ _PUBLIC: dict[str, str] = {
     "linear_datamodel_score": "assay.counterfactual.lds",
     # sparse autoencoders
     "SparseAutoencoder": "assay.sae.model",
+    "SaeArchConfig": "assay.sae.config",
     "load_sae": "assay.sae.saelens_format",
     "save_sae": "assay.sae.saelens_format",
     # configs shared by every command

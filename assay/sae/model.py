@@ -18,10 +18,14 @@ from __future__ import annotations
 
 import copy
 import math
+import numbers
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from assay.core.config import require_config
+from assay.core.errors import AssayError
 from assay.sae.architectures import TrainOutput, architecture_class
 from assay.sae.architectures.base import decode_sparse
 from assay.sae.architectures.batchtopk import THRESHOLD_BETA
@@ -42,9 +46,10 @@ class SparseAutoencoder(nn.Module):
     def __init__(self, d_in: int, d_sae: int, arch: SaeArchConfig, d_out: int | None = None):
         """d_out: a transcoder's output width (None: an SAE, which reconstructs its input)."""
         super().__init__()
-        self.d_in, self.d_sae, self.arch = d_in, d_sae, arch
+        _check_construction(d_in, d_sae, arch, d_out)
+        self.d_in, self.d_sae, self.arch = int(d_in), int(d_sae), arch
         self.transcoder = d_out is not None
-        self.d_out = d_in if d_out is None else d_out
+        self.d_out = self.d_in if d_out is None else int(d_out)
         self.rule = architecture_class(arch.architecture)(arch)
         self.W_enc = nn.Parameter(torch.empty(d_in, d_sae))
         self.b_enc = nn.Parameter(torch.zeros(d_sae))
@@ -149,26 +154,49 @@ class SparseAutoencoder(nn.Module):
         return torch.addmm(self.b_enc - zero @ self.W_enc, x - b_in.detach(), self.W_enc)
 
     def encode(self, x: Tensor) -> Tensor:
-        """[N, d_sae] latent activations, by the architecture's inference rule (as saved:
-        BatchTopK-type SAEs encode with their threshold)."""
-        return self.rule.encode(self, self.pre_acts(x))
+        """[..., d_sae] latent activations of normalised activations x [..., d_in], by the
+        architecture's inference rule (as saved: BatchTopK-type SAEs encode with their threshold)."""
+        z = self.rule.encode(self, self.pre_acts(self._rows(x, "d_in", "encode")))
+        return z if x.ndim == 2 else z.reshape(*x.shape[:-1], self.d_sae)
 
     def decode(self, z: Tensor) -> Tensor:
-        """[N, d_out] reconstruction from latents z [N, d_sae]."""
+        """[..., d_out] reconstruction from latents z [..., d_sae]."""
+        x_hat = self.decode_rows(self._rows(z, "d_sae", "decode"))
+        return x_hat if z.ndim == 2 else x_hat.reshape(*z.shape[:-1], self.d_out)
+
+    def decode_rows(self, z: Tensor) -> Tensor:
+        """[N, d_out] from latents z [N, d_sae], unchecked: the training forward's decode."""
         return z @ self.W_dec + self.b_dec
 
     def forward(self, x: Tensor) -> Tensor:
         """Reconstruction (a transcoder: prediction) of normalised activations."""
         return self.decode(self.encode(x))
 
+    def _rows(self, x: Any, dim: str, method: str) -> Tensor:
+        """x [..., width] (width: the attribute `dim`, d_in or d_sae) as rows [N, width] in the
+        weights' dtype, or one line saying what is wrong. Shape and dtype reads only: no pass
+        over the data unless it must be cast (outside autocast, which casts for the matmul)."""
+        width = getattr(self, dim)
+        if not isinstance(x, Tensor):
+            raise AssayError(
+                f"SparseAutoencoder.{method} takes a torch.Tensor, not a {type(x).__name__} "
+                "(torch.as_tensor converts an array)"
+            )
+        if x.ndim == 0 or x.shape[-1] != width:
+            raise AssayError(
+                f"SparseAutoencoder.{method} takes [..., {dim}={width}], got shape {list(x.shape)}"
+            )
+        if x.dtype != self.W_enc.dtype and not torch.is_autocast_enabled(x.device.type):
+            x = x.to(self.W_enc.dtype)  # float64, bf16, ints: the weights' dtype
+        return x if x.ndim == 2 else x.reshape(-1, width)
+
     @torch.no_grad()
     def reconstruct(self, x_raw: Tensor) -> Tensor:
         """Reconstruction (prediction) of raw activations [..., d_in] -> [..., d_out]
         (normalisation applied and undone)."""
-        shape = x_raw.shape
-        x = x_raw.reshape(-1, self.d_in).float() * self.act_scale
+        x = self._rows(x_raw, "d_in", "reconstruct") * self.act_scale
         out = self.forward(x) / self.out_scale
-        return out.reshape(*shape[:-1], self.d_out).to(x_raw.dtype)
+        return out.reshape(*x_raw.shape[:-1], self.d_out).to(x_raw.dtype)
 
     def folded(self) -> SparseAutoencoder:
         """A copy working on raw activations: the scales folded into the weights (pre unchanged)."""
@@ -199,6 +227,19 @@ class SparseAutoencoder(nn.Module):
     def update_threshold(self, min_kept: Tensor | None, first: bool) -> None:
         """After a step: the architecture's own updates (BatchTopK's threshold EMA, in fp32)."""
         self.rule.after_step(self, min_kept, first)
+
+
+def _check_construction(d_in: Any, d_sae: Any, arch: Any, d_out: Any) -> None:
+    """One line for sizes and configs an SAE cannot be built from (before any tensor is made)."""
+    require_config(arch, SaeArchConfig, "SparseAutoencoder's arch")
+    for name, value in (("d_in", d_in), ("d_sae", d_sae), ("d_out", d_out)):
+        if value is None and name == "d_out":
+            continue
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value <= 0:
+            raise AssayError(f"SparseAutoencoder's {name} must be a positive integer, got {value!r}")
+    if architecture_class(arch.architecture).keeps_k and arch.k > d_sae:
+        # here, not only in the config: a TopK of more latents than there are fails at every encode
+        raise AssayError(f"--k {arch.k} exceeds the SAE's {d_sae} latents; lower --k or widen the SAE")
 
 
 def select_active(pre: Tensor, architecture: str, k: int) -> tuple[Tensor, Tensor]:

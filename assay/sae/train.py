@@ -20,7 +20,6 @@ from assay.core.precision import PrecisionPolicy
 from assay.core.runs import check_inputs, config_to_dict, run_folder, write_json
 from assay.lm.models import setup_runtime
 from assay.sae.activations import ShuffledBatches
-from assay.sae.architectures import architecture_class
 from assay.sae.checkpoint import CHECKPOINT
 from assay.sae.config import SaeTrainConfig
 from assay.sae.evaluate import splice_metrics
@@ -58,8 +57,6 @@ def new_sae(cfg: SaeTrainConfig, widths: list[int]) -> SparseAutoencoder:
     """The untrained SAE (a transcoder with --hookpoint_out) for input (and target) widths."""
     d_in = widths[0]
     d_sae = cfg.sae.d_sae or cfg.sae.expansion_factor * d_in
-    if architecture_class(cfg.sae.architecture).keeps_k and cfg.sae.k > d_sae:
-        raise AssayError(f"--k {cfg.sae.k} exceeds the SAE's {d_sae} latents; lower --k or widen the SAE")
     sae = SparseAutoencoder(d_in, d_sae, cfg.sae, d_out=widths[1] if cfg.hookpoint_out else None)
     saved_architecture(sae)  # an SAE SAELens cannot load is refused before any training
     return sae

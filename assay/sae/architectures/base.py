@@ -109,7 +109,7 @@ class Architecture:
     ) -> TrainOutput:
         pre = sae.pre_acts(x)  # [N, d_sae]
         z, sparsity = self.dense_codes(sae, pre)
-        x_hat = sae.decode(z.to(pre.dtype))
+        x_hat = sae.decode_rows(z.to(pre.dtype))
         aux_codes = self.dense_aux(sae, pre, dead)
         out = self.losses(sae, target, x_hat.float(), None, aux_codes, dead, z)
         out.loss = out.loss + coef * sparsity
