@@ -21,9 +21,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from assay.core.errors import AssayError
+from assay.core.errors import AssayError, first_line
 from assay.core.paths import as_path
 from assay.core.runs import new_folder, read_json, write_json
 from assay.sae.architectures import REGISTRY, Architecture, saved_as
@@ -168,24 +169,60 @@ def load_sae(folder: Path | str) -> tuple[SparseAutoencoder, dict[str, Any]]:
     `context_size` keys (None when the folder does not say). A BatchTopK-type SAE loads as the
     JumpReLU it was saved as; a transcoder loads with `transcoder` set and its `d_out`.
     """
-    folder = Path(folder)
+    folder = as_path(folder, "load_sae's folder")
     if not (folder / CFG_FILE).exists() or not (folder / WEIGHTS_FILE).exists():
         raise AssayError(f"{folder} is not an SAE folder (needs {CFG_FILE} and {WEIGHTS_FILE})")
-    cfg = read_json(folder / CFG_FILE)
+    cfg = _read_cfg(folder)
+    arch_cls, transcoder = _our_architecture(cfg)
+    d_in, d_sae = _size(cfg, "d_in", folder), _size(cfg, "d_sae", folder)
+    d_out = _size(cfg, "d_out", folder) if transcoder else None
+    try:
+        kwargs = arch_cls.config_from_saved(cfg)
+    except AssayError as e:
+        raise AssayError(f"{folder}: {e}") from None
+    if arch_cls.keeps_k and kwargs["k"] > d_sae:
+        raise AssayError(f"{folder}: {CFG_FILE}'s k {kwargs['k']} exceeds its d_sae ({d_sae} latents)")
+    arch_cfg = SaeArchConfig(architecture=arch_cls.name, d_sae=d_sae, **kwargs)
+    sae = SparseAutoencoder(d_in, d_sae, arch_cfg, d_out=d_out)
+    _load_weights(sae, _read_safetensors(folder / WEIGHTS_FILE), cfg, folder)
+    return sae.eval(), _metadata(cfg)
+
+
+def _read_cfg(folder: Path) -> dict[str, Any]:
+    """cfg.json, with one line naming the field for what no SAELens folder holds."""
+    path = folder / CFG_FILE
+    cfg = read_json(path)
+    if not isinstance(cfg, dict):
+        raise AssayError(f"{path} is not an SAE config: a JSON object, not a {type(cfg).__name__}")
+    if not isinstance(cfg.get("architecture", "standard"), str):
+        raise AssayError(
+            f"{path}: architecture must be a name (topk, jumprelu, ...), got {cfg['architecture']!r}"
+        )
+    if not isinstance(cfg.get("metadata") or {}, dict):
+        raise AssayError(f"{path}: metadata must be a JSON object, got {cfg['metadata']!r}")
     if cfg.get("normalize_activations", "none") not in ("none", False, None):
         raise AssayError(
             f"{folder}: normalize_activations={cfg['normalize_activations']!r} is not supported; "
             "fold the normalisation into the weights first"
         )
-    arch_cls, transcoder = _our_architecture(cfg)
-    weights = load_file(str(folder / WEIGHTS_FILE))
-    d_in, d_sae = int(cfg["d_in"]), int(cfg["d_sae"])
-    d_out = int(cfg["d_out"]) if transcoder else None
-    kwargs = {"k": 32, **arch_cls.config_from_saved(cfg)}
-    arch_cfg = SaeArchConfig(architecture=arch_cls.name, d_sae=d_sae, **kwargs)
-    sae = SparseAutoencoder(d_in, d_sae, arch_cfg, d_out=d_out)
-    _load_weights(sae, weights, cfg, folder)
-    return sae.eval(), _metadata(cfg)
+    return cfg
+
+
+def _size(cfg: dict[str, Any], key: str, folder: Path) -> int:
+    """A width cfg.json must give as a positive integer (d_in, d_sae, a transcoder's d_out)."""
+    value = cfg.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        got = f"got {value!r}" if key in cfg else "it is missing"
+        raise AssayError(f"{folder / CFG_FILE}: {key} must be a positive integer; {got}")
+    return value
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """A safetensors file's tensors; a damaged or truncated file is one line."""
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError) as e:
+        raise AssayError(f"{path} is not a readable safetensors file ({first_line(e)})") from None
 
 
 def _our_architecture(cfg: dict[str, Any]) -> tuple[type[Architecture], bool]:
@@ -236,5 +273,5 @@ def _metadata(cfg: dict[str, Any]) -> dict[str, Any]:
 
 def load_log_densities(folder: Path | str) -> torch.Tensor | None:
     """log10 feature densities saved beside an SAE, if any."""
-    path = Path(folder) / SPARSITY_FILE
-    return load_file(str(path))["sparsity"] if path.exists() else None
+    path = as_path(folder, "load_log_densities's folder") / SPARSITY_FILE
+    return _read_safetensors(path).get("sparsity") if path.exists() else None

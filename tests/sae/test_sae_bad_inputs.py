@@ -1,18 +1,86 @@
-"""The SAE's Python entry points given what a user plausibly passes by mistake: an SAE that
-cannot encode, inputs of another shape, dtype or type. Each is one line naming the width, or is
+"""The SAE's Python entry points given what a user plausibly passes by mistake: an SAE folder
+whose cfg.json or weights are not what SAELens writes, an SAE that cannot encode, inputs of
+another shape, dtype or type. Each is one line naming the file and field (or the width), or is
 simply accepted where the meaning is plain (leading dims, float64 and bf16 inputs)."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from assay.core.errors import AssayError
 from assay.sae.config import SaeArchConfig
 from assay.sae.model import SparseAutoencoder
+from assay.sae.saelens_format import load_sae
 
 D_IN, D_SAE = 8, 16
+
+
+def _folder(path: Path, cfg: object) -> Path:
+    """An SAE folder with `cfg` as its cfg.json and well-formed weights for d_in 8, d_sae 16."""
+    path.mkdir()
+    (path / "cfg.json").write_text(json.dumps(cfg))
+    gen = torch.Generator().manual_seed(0)
+    weights = {
+        "W_enc": torch.randn(D_IN, D_SAE, generator=gen),
+        "b_enc": torch.zeros(D_SAE),
+        "W_dec": torch.randn(D_SAE, D_IN, generator=gen),
+        "b_dec": torch.zeros(D_IN),
+    }
+    save_file(weights, str(path / "sae_weights.safetensors"))
+    return path
+
+
+BASE = {"architecture": "standard", "d_in": D_IN, "d_sae": D_SAE}
+TOPK = {**BASE, "architecture": "topk"}
+
+
+@pytest.mark.parametrize(
+    "cfg, message",
+    [
+        (TOPK, "cfg.json lacks a positive k"),  # no silent k=32
+        ({**TOPK, "k": 0}, "cfg.json lacks a positive k"),
+        ({**TOPK, "k": -3}, "cfg.json lacks a positive k"),
+        ({**TOPK, "k": 64}, "cfg.json's k 64 exceeds its d_sae \\(16 latents\\)"),
+        (
+            {"architecture": "standard", "d_sae": D_SAE},
+            "cfg.json: d_in must be a positive integer; it is missing",
+        ),
+        ({**BASE, "d_in": None}, "cfg.json: d_in must be a positive integer; got None"),
+        ({**BASE, "d_in": 8.5}, "cfg.json: d_in must be a positive integer; got 8.5"),
+        ({**BASE, "architecture": "transcoder"}, "cfg.json: d_out must be a positive integer; it is missing"),
+        ([1, 2], "cfg.json is not an SAE config: a JSON object, not a list"),
+        ({**BASE, "metadata": [1]}, "cfg.json: metadata must be a JSON object"),
+        ({**BASE, "metadata": "x"}, "cfg.json: metadata must be a JSON object"),
+        ({**BASE, "architecture": ["topk"]}, "cfg.json: architecture must be a name"),
+    ],
+)
+def test_a_cfg_json_that_describes_no_sae_is_one_line_naming_the_field(tmp_path, cfg, message):
+    folder = _folder(tmp_path / "sae", cfg)
+    with pytest.raises(AssayError, match=message) as caught:
+        load_sae(folder)
+    assert str(folder) in str(caught.value)
+
+
+def test_k_is_read_from_either_saelens_layout(tmp_path):
+    sae, _ = load_sae(_folder(tmp_path / "v6", {**TOPK, "k": 4}))
+    assert sae.arch.k == 4 and int((sae.encode(torch.randn(3, D_IN)) != 0).sum(1).max()) <= 4
+    old = {**BASE, "activation_fn_str": "topk", "activation_fn_kwargs": {"k": 5}}  # SAELens < 6
+    assert load_sae(_folder(tmp_path / "v5", old))[0].arch.k == 5
+
+
+def test_damaged_weights_and_a_missing_path_are_one_line(tmp_path):
+    folder = _folder(tmp_path / "sae", BASE)
+    (folder / "sae_weights.safetensors").write_bytes(b"garbage")
+    with pytest.raises(AssayError, match="sae_weights.safetensors is not a readable safetensors file"):
+        load_sae(folder)
+    with pytest.raises(AssayError, match="load_sae's folder must be a path"):
+        load_sae(None)  # type: ignore[arg-type]
 
 
 def test_an_sae_that_could_not_encode_is_refused_at_construction():

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from assay.core.errors import AssayError
 from assay.sae.architectures.base import Architecture, TrainOutput, register
 from assay.sae.kernels import (
     SparseCodes,
@@ -125,8 +126,15 @@ class TopK(Architecture):
 
     @classmethod
     def config_from_saved(cls, cfg: dict[str, Any]) -> dict[str, Any]:
-        k = cfg.get("k") or (cfg.get("activation_fn_kwargs") or {}).get("k")  # SAELens < 6
-        return {"k": int(k)} if k else {}
+        old = cfg.get("activation_fn_kwargs")  # SAELens < 6 kept k there
+        k = cfg["k"] if "k" in cfg else old.get("k") if isinstance(old, dict) else None
+        if not isinstance(k, int) or isinstance(k, bool) or k <= 0:
+            # no default: a TopK SAE encoded with another k than it was trained with is silently
+            # a different SAE
+            raise AssayError(
+                f"cfg.json lacks a positive k (the latents a topk SAE keeps per token), got {k!r}"
+            )
+        return {"k": k}
 
     @torch.no_grad()
     def after_load(self, sae: SparseAutoencoder, cfg: dict[str, Any]) -> None:
