@@ -215,7 +215,7 @@ def _measured(output: Any, m: int) -> np.ndarray:
         )
     try:
         row = as_array(output).astype(np.float64).reshape(-1)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, AssayError):  # None, text, ragged lists
         raise AssayError(
             f"train_and_measure returned {type(output).__name__} for subset {m}, not [Q] numbers"
         ) from None

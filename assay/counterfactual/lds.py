@@ -25,6 +25,7 @@ Everything here is numpy on the CPU in float64: M is tens to hundreds and the wo
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,14 +40,35 @@ _SUBSET_STREAM = 52_711
 """Salt in each subset's seed, so LDS subsets never share a random stream with other uses of `seed`."""
 
 
-def as_array(value: Any) -> np.ndarray:
-    """`value` as a numpy array; a torch tensor is detached and brought to the CPU first (one that
-    requires grad, as scores computed under autograd do, cannot become numpy as it is)."""
+def as_array(value: Any, name: str = "the array") -> np.ndarray:
+    """`value` as a numpy array of numbers; a torch tensor is detached and brought to the CPU first
+    (one that requires grad, as scores computed under autograd do, cannot become numpy as it is)."""
     if hasattr(value, "detach"):  # a torch.Tensor, without importing torch into this numpy module
         value = value.detach().cpu()
         if value.is_floating_point():
             value = value.double()  # numpy has no bfloat16
-    return np.asarray(value)
+    try:
+        array = np.asarray(value)
+    except ValueError:  # ragged nested lists
+        raise AssayError(f"{name} must be a rectangular array of numbers (rows of one length)") from None
+    if array.dtype.kind not in "biuf":
+        raise AssayError(f"{name} must hold numbers, not {array.dtype} values")
+    return array
+
+
+def _integer(value: Any, name: str, minimum: int) -> int:
+    """`value` as an int >= minimum, or one line (a float or bool count is a mistake, not a count)."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < minimum:
+        what = "a non-negative integer" if minimum == 0 else f"an integer >= {minimum}"
+        raise AssayError(f"{name} must be {what}, got {value!r}")
+    return int(value)
+
+
+def _fraction(value: Any, name: str) -> float:
+    """`value` as a float strictly between 0 and 1, or one line."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not 0.0 < float(value) < 1.0:
+        raise AssayError(f"{name} must be a number strictly between 0 and 1, got {value!r}")
+    return float(value)
 
 
 def subset_size(n: int, alpha: float) -> int:
@@ -61,14 +83,10 @@ def sample_subsets(n: int, num_subsets: int, alpha: float, seed: int) -> np.ndar
     `num_subsets` is: growing M from 32 to 64 keeps the first 32 subsets and their retrained
     models. Returns masks [M, N] (bool): masks[m, i] is True when example i is in subset m.
     """
-    if n < 2:
-        raise AssayError(f"LDS subsets need at least 2 training examples, got {n}")
-    if not 0.0 < alpha < 1.0:
-        raise AssayError(f"subset fraction alpha must be strictly between 0 and 1, got {alpha}")
-    if num_subsets < 1:
-        raise AssayError(f"number of subsets must be at least 1, got {num_subsets}")
-    if seed < 0:
-        raise AssayError(f"subset seed must be a non-negative integer, got {seed}")
+    n = _integer(n, "n (LDS subsets need at least 2 training examples)", 2)
+    alpha = _fraction(alpha, "the subset fraction alpha")
+    num_subsets = _integer(num_subsets, "the number of subsets", 1)
+    seed = _integer(seed, "the subset seed", 0)
     k = subset_size(n, alpha)
     if not 1 <= k <= n - 1:
         raise AssayError(
@@ -127,7 +145,7 @@ def bootstrap_mean_ci(
     thousands of queries never need a [resamples, K] index array at once.
     """
     values = np.asarray(values, dtype=np.float64)
-    _check_bootstrap(num_resamples, confidence)
+    _check_bootstrap(num_resamples, confidence, seed)
     if values.size == 0:
         return math.nan, math.nan
     rng = np.random.default_rng(seed)
@@ -142,11 +160,10 @@ def bootstrap_mean_ci(
     return float(low), float(high)
 
 
-def _check_bootstrap(num_resamples: int, confidence: float) -> None:
-    if num_resamples < 1:
-        raise AssayError(f"bootstrap needs at least 1 resample, got {num_resamples}")
-    if not 0.0 < confidence < 1.0:
-        raise AssayError(f"confidence must be strictly between 0 and 1, got {confidence}")
+def _check_bootstrap(num_resamples: int, confidence: float, seed: int = 0) -> None:
+    _integer(num_resamples, "the bootstrap's num_resamples", 1)
+    _fraction(confidence, "the bootstrap's confidence")
+    _integer(seed, "the bootstrap's seed", 0)
 
 
 @dataclass(frozen=True)
@@ -247,11 +264,11 @@ def linear_datamodel_score(
     (negated for losses). Queries where it is undefined are NaN and left out of the mean; the
     interval is a seeded percentile bootstrap over the defined queries.
     """
-    scores = as_array(scores)
-    masks = as_array(masks)
-    outputs = as_array(outputs)
+    scores = as_array(scores, "scores")
+    masks = as_array(masks, "masks")
+    outputs = as_array(outputs, "outputs")
     _check_inputs(scores, masks, outputs)
-    _check_bootstrap(num_resamples, confidence)
+    _check_bootstrap(num_resamples, confidence, seed)
     if len(np.unique(masks.astype(bool), axis=0)) < 2:
         raise AssayError("all subsets in masks are the same: draw them with sample_subsets")
     # [M, N] @ [N, Q] -> [M, Q]: the datamodel's prediction for every subset and query.

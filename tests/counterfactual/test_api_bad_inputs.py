@@ -137,3 +137,36 @@ def test_an_incomplete_ground_truth_folder_is_one_line(tmp_path):
         GroundTruth.load(tmp_path / "gt")
     with pytest.raises(AssayError, match="must be a path"):
         GroundTruth.load(None)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"n": 10.0}, "n .* must be an integer >= 2, got 10.0"),
+        ({"num_subsets": 2.5}, "number of subsets must be an integer >= 1"),
+        ({"seed": None}, "subset seed must be a non-negative integer, got None"),
+        ({"seed": -1}, "subset seed must be a non-negative integer"),
+        ({"alpha": "0.5"}, "alpha must be a number strictly between 0 and 1, got '0.5'"),
+        ({"alpha": True}, "alpha must be a number strictly between 0 and 1"),
+    ],
+)
+def test_sample_subsets_takes_counts_as_integers(kwargs, message):
+    args = {"n": 10, "num_subsets": 4, "alpha": 0.5, "seed": 0, **kwargs}
+    with pytest.raises(AssayError, match=message):
+        sample_subsets(**args)
+
+
+def test_lds_refuses_scores_that_are_not_numbers_and_bootstrap_settings_of_the_wrong_type():
+    masks = sample_subsets(6, 5, 0.5, 0)
+    outputs, scores = np.random.default_rng(0).normal(size=(5, 2)), np.ones((2, 6))
+    with pytest.raises(AssayError, match="scores must hold numbers"):
+        linear_datamodel_score([["a"] * 6] * 2, masks, outputs)
+    with pytest.raises(AssayError, match="scores must be a rectangular array"):
+        linear_datamodel_score([[1.0] * 6, [1.0] * 5], masks, outputs)
+    for kwargs, message in (
+        ({"num_resamples": 2.5}, "num_resamples must be an integer >= 1"),
+        ({"seed": -1}, "seed must be a non-negative integer"),
+        ({"confidence": 1.5}, "confidence must be a number strictly between 0 and 1"),
+    ):
+        with pytest.raises(AssayError, match=message):
+            linear_datamodel_score(scores, masks, outputs, **kwargs)

@@ -316,7 +316,8 @@ def test_loss_and_margin_give_the_same_lds_for_logistic_regression():
 
 
 @pytest.mark.parametrize(
-    "option,match", [({"num_resamples": 0}, "1 resample"), ({"confidence": 1.0}, "confidence")]
+    "option,match",
+    [({"num_resamples": 0}, "num_resamples must be an integer >= 1"), ({"confidence": 1.0}, "confidence")],
 )
 def test_bootstrap_options_are_checked(option, match):
     with pytest.raises(AssayError, match=match):
