@@ -313,6 +313,11 @@ def validate(cfg: ValidateConfig) -> dict[str, Any]:
         raise AssayError("give the queries: --query_dataset DATASET (or --preset abc)")
     root = dist.main_only(open_experiment, cfg.out, "validate", cfg, cfg.overwrite, FREE, True)
     cfg = dist.main_only(resolve, cfg, root)
+    if not cfg.methods and not cfg.scores and not (root / "methods").exists():
+        note(
+            "no --methods or --scores: this run makes the ground truth only; validate methods on it "
+            f"later with `assay validate {cfg.out} --methods trackstar ...` or `--scores RUN`"
+        )
     truth = ground_truth(cfg, root)
     methods = compute_methods(cfg, root, truth)
     earlier = sorted((root / "methods").glob("*.npy")) if (root / "methods").exists() else []

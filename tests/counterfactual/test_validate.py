@@ -300,3 +300,18 @@ def test_the_abc_preset_trains_at_its_learning_rate(tmp_path):
     assert validate_mod.resolve(replace(cfg, preset_learning_rate=1e-3), tmp_path).recipe == preset
     with pytest.raises(AssayError, match="--preset_learning_rate"):
         ValidateConfig(out=str(tmp_path), preset="abc", preset_learning_rate=0.0)
+
+
+def test_a_run_without_methods_or_scores_says_it_makes_the_ground_truth_only(
+    tmp_path, tiny_model_dir, monkeypatch, caplog
+):
+    write_word_texts(tmp_path / "pool.jsonl", 8, 10)
+    (tmp_path / "query.jsonl").write_text(json.dumps({"text": "my love"}) + "\n")
+
+    def stop(*args):
+        raise KeyboardInterrupt  # the note comes before the retraining; no need to run it
+
+    monkeypatch.setattr(validate_mod, "ground_truth", stop)
+    with caplog.at_level("INFO", logger="assay"), pytest.raises(KeyboardInterrupt):
+        validate(_cfg(tmp_path, tiny_model_dir))
+    assert "no --methods or --scores: this run makes the ground truth only" in caplog.text
