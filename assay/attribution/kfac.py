@@ -146,7 +146,9 @@ def decompose(sums: list[torch.Tensor], count: int, dtype: torch.dtype = STATS_D
                 vals, vecs = torch.linalg.eigh(m)
         else:
             vals, vecs = torch.linalg.eigh(m)
-        vectors.append(vecs.to(dtype))
+        # eigh returns column-major vectors; row-major ones are what load_factors gives back, so
+        # fitted and loaded factors take the same matmul kernels and score bit for bit alike
+        vectors.append(vecs.to(dtype).contiguous())
         values.append(vals.clamp_min(0).to(dtype))
     return SideBasis(vectors, torch.cat(values))
 

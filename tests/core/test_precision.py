@@ -45,6 +45,16 @@ def test_auto_resolves_with_a_reason(monkeypatch):
     assert policy.name == "fp32" and "no fast bf16" in policy.describe()
 
 
+@pytest.mark.parametrize("name", ["bf16", "bf16-pure"])
+def test_bf16_without_bf16_units_says_it_is_slow(monkeypatch, name):
+    from assay.core import precision
+
+    monkeypatch.setattr(precision, "cpu_has_fast_bf16", lambda: False)
+    assert "no bf16 matmul units" in PrecisionPolicy.resolve(name, "cpu").describe()
+    monkeypatch.setattr(precision, "cpu_has_fast_bf16", lambda: True)
+    assert PrecisionPolicy.resolve(name, "cpu").describe() == f"precision: {name} (asked for)"
+
+
 def test_unknown_precision_is_a_clear_error():
     with pytest.raises(AssayError, match="unknown precision 'fp8'"):
         PrecisionPolicy.resolve("fp8", "cpu")
