@@ -328,7 +328,24 @@ def _read_factors(f: Any, meta: dict[str, str]) -> KronFactors:
         lam = f.get_tensor(f"{name}/lambda") if f"{name}/lambda" in f.keys() else None
         modules[name] = ModuleFactors(sides["a"], sides["g"], lam, bool(entry["conv1d"]))
     kind = meta["kind"]
+    _check_read(kind, modules)
     return KronFactors(kind, modules, meta["fisher"], int(meta["block_size"]), int(meta["examples"]))  # type: ignore[arg-type]
+
+
+def _check_read(kind: str, modules: dict[str, ModuleFactors]) -> None:
+    """A header that contradicts its tensors fails here, in one line, not later inside a product."""
+    if kind not in ("kfac", "ekfac"):
+        raise ValueError(f"its kind is {kind!r}, not kfac or ekfac")
+    if not modules:
+        raise ValueError("it holds no modules")
+    for name, mf in modules.items():
+        for side in (mf.a, mf.g):
+            if sum(v.shape[0] for v in side.vectors) != side.size or any(v.ndim != 2 for v in side.vectors):
+                raise ValueError(f"module {name!r}'s eigenvector blocks do not span its eigenvalues")
+        if kind == "ekfac" and mf.corrected is None:
+            raise ValueError(f"module {name!r} has no EK-FAC eigenvalues though its kind is ekfac")
+        if mf.corrected is not None and tuple(mf.corrected.shape) != (mf.g.size, mf.a.size):
+            raise ValueError(f"module {name!r}'s EK-FAC eigenvalues are not [{mf.g.size}, {mf.a.size}]")
 
 
 # --- queries ----------------------------------------------------------------------------------------

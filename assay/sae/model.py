@@ -237,6 +237,13 @@ def _check_construction(d_in: Any, d_sae: Any, arch: Any, d_out: Any) -> None:
             continue
         if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value <= 0:
             raise AssayError(f"SparseAutoencoder's {name} must be a positive integer, got {value!r}")
+    if arch.d_sae is not None and arch.d_sae != d_sae:
+        raise AssayError(
+            f"SparseAutoencoder's d_sae {d_sae} differs from its arch's d_sae {arch.d_sae}; give one"
+        )
+    widths = arch.matryoshka_widths or []
+    if arch.architecture == "matryoshka" and widths and widths[-1] > d_sae:
+        raise AssayError(f"--matryoshka_widths {widths} exceed the SAE's {d_sae} latents (d_sae)")
     if architecture_class(arch.architecture).keeps_k and arch.k > d_sae:
         # here, not only in the config: a TopK of more latents than there are fails at every encode
         raise AssayError(f"--k {arch.k} exceeds the SAE's {d_sae} latents; lower --k or widen the SAE")

@@ -421,6 +421,29 @@ def test_save_load_round_trip(classifier, tmp_path) -> None:
         load_factors(tmp_path / "other.safetensors")
 
 
+def test_load_refuses_a_header_that_contradicts_its_tensors(classifier, tmp_path) -> None:
+    """A file whose kind or tensors were changed after save_factors fails in one line on load."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    model, batches, _ = classifier
+    path = save_factors(fit_kfac(model, batches, ce_loss, modules=("*",)), tmp_path / "kfac.safetensors")
+    with safe_open(str(path), framework="pt") as f:
+        meta, tensors = dict(f.metadata()), {k: f.get_tensor(k) for k in f.keys()}
+
+    def rewritten(meta_change: dict[str, str], drop: str = ""):
+        out = tmp_path / "edited.safetensors"
+        kept = {k: v for k, v in tensors.items() if not (drop and k.endswith(drop))}
+        save_file(kept, str(out), metadata={**meta, **meta_change})
+        return out
+
+    with pytest.raises(AssayError, match="its kind is 'EKFAC', not kfac or ekfac"):
+        load_factors(rewritten({"kind": "EKFAC"}))
+    with pytest.raises(AssayError, match="has no EK-FAC eigenvalues though its kind is ekfac"):
+        load_factors(rewritten({}, drop="/lambda"))
+    assert load_factors(rewritten({"kind": "kfac"}, drop="/lambda")).kind == "kfac"  # K-FAC needs no Λ
+
+
 def test_absolute_damping_and_kfac_from_ekfac_factors(classifier) -> None:
     """kind="kfac" on EK-FAC factors ignores Λ; a huge damping turns influence into ⟨q, t⟩/δ."""
     model, batches, queries = classifier

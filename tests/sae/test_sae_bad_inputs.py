@@ -91,6 +91,12 @@ def test_an_sae_that_could_not_encode_is_refused_at_construction():
         SparseAutoencoder(D_IN, D_SAE, "topk")  # type: ignore[arg-type]
     with pytest.raises(AssayError, match="d_sae must be a positive integer, got -1"):
         SparseAutoencoder(D_IN, -1, SaeArchConfig(k=4))
+    with pytest.raises(AssayError, match="d_sae 16 differs from its arch's d_sae 32; give one"):
+        SparseAutoencoder(D_IN, D_SAE, SaeArchConfig(k=4, d_sae=32))
+    assert SparseAutoencoder(D_IN, D_SAE, SaeArchConfig(k=4, d_sae=D_SAE)).d_sae == D_SAE
+    with pytest.raises(AssayError, match="--matryoshka_widths \\[4, 32\\] exceed the SAE's 16 latents"):
+        arch = SaeArchConfig(architecture="matryoshka", k=4, matryoshka_widths=[4, 32])
+        SparseAutoencoder(D_IN, D_SAE, arch)
 
 
 @pytest.mark.parametrize("arch", ["relu", "topk", "batchtopk", "jumprelu", "matryoshka"])
