@@ -73,8 +73,8 @@ class PrecisionPolicy:
             # AVX2-only AMD EPYC linear layers ran 6x and plain matmuls 60x slower than fp32, and
             # `assay build`'s loop 20x (docs/BENCHMARKS.md, "AMD EPYC (AVX2 only)").
             reason += (
-                " (this CPU has no bf16 matmul units, AMX or AVX512-BF16: bf16 runs emulated, "
-                "an order of magnitude slower than fp32; --precision auto picks fp32 here)"
+                "; this CPU has no bf16 matmul units (AMX or AVX512-BF16), so bf16 runs emulated, "
+                "an order of magnitude slower than fp32, which --precision auto picks here"
             )
         return cls(name=name, device=device, reason=reason)  # type: ignore[arg-type]
 
