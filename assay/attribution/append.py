@@ -60,7 +60,7 @@ from assay.core.runs import (
     read_json,
     write_json,
 )
-from assay.lm.data import examples_fingerprint, load_examples, tokenizer_fingerprint
+from assay.lm.data import example_hashes, examples_fingerprint, load_examples, tokenizer_fingerprint
 from assay.lm.lean import keep_compute_casts
 from assay.lm.models import load_model, load_sharded_model, load_tokenizer, setup_runtime
 
@@ -73,8 +73,8 @@ SETTINGS = (
 )  # fmt: skip
 """Settings that decide what a row is: --append takes the index's, and refuses another value."""
 REWRITTEN = (
-    ix.META_FILE, ix.IDS_FILE, ix.LOSSES_FILE, ix.TOKENS_FILE, ix.NORMS_FILE, ix.PRECONDITIONER_FILE,
-    ix.CHECKSUMS_FILE, DONE_FILE, LOCK_FILE,
+    ix.META_FILE, ix.IDS_FILE, ix.LOSSES_FILE, ix.TOKENS_FILE, ix.NORMS_FILE, ix.HASHES_FILE,
+    ix.PRECONDITIONER_FILE, ix.CHECKSUMS_FILE, DONE_FILE, LOCK_FILE,
 )  # fmt: skip
 
 
@@ -103,6 +103,8 @@ def append_index(cfg: BuildConfig) -> dict[str, Any]:
         _check_room(out, len(index) + len(examples))
         if dist.is_main:
             np.save(run.path / ix.IDS_FILE, ids)
+            if (out / ix.HASHES_FILE).exists():  # an index from before the hashes gets none
+                np.save(run.path / ix.HASHES_FILE, example_hashes(examples))
         summary = write_rows(setup, examples, run.path, cfg)
         dist.barrier()
         segment = {
@@ -190,6 +192,7 @@ def _setup(cfg: BuildConfig, index: ix.GradientIndex, run: RunFolder) -> tuple[G
     if tokenizer_fingerprint(tokenizer) != meta["model"]["tokenizer_fingerprint"]:
         raise AssayError(f"the tokenizer differs from the one {index.path} was built with")
     _refuse_duplicate(index, examples_fingerprint(examples))
+    _refuse_held_examples(index, examples)
     if cfg.fsdp:
         model = load_sharded_model(cfg.model, policy, cfg.runtime.attention, dist)
     else:
@@ -223,6 +226,22 @@ def _refuse_duplicate(index: ix.GradientIndex, fingerprint: str) -> None:
     held = [first] + [s.get("dataset_fingerprint") for s in ix.segments(index.meta)[1:]]
     if fingerprint in held:
         raise AssayError(f"{index.path} already holds these examples (segment {held.index(fingerprint) + 1})")
+
+
+def _refuse_held_examples(index: ix.GradientIndex, examples: Any) -> None:
+    """New examples the index already holds (same tokens and loss positions, under any id) would
+    be rows twice over: refused, naming them, before the model loads."""
+    held_file = index.path / ix.HASHES_FILE
+    if not held_file.exists():
+        return  # built before per-example hashes: only whole datasets are checked (above)
+    held = np.load(held_file, allow_pickle=False)
+    again = np.flatnonzero(np.isin(example_hashes(examples), held))
+    if again.size:
+        first = ", ".join(str(int(examples.ids[i])) for i in again[:5]) + (", ..." if again.size > 5 else "")
+        raise AssayError(
+            f"{again.size} of the {len(examples)} new examples are already in {index.path} (row ids in "
+            f"the new data: {first}); drop them from the data and append again"
+        )
 
 
 def _check_room(out: Path, rows: int) -> None:
@@ -328,7 +347,7 @@ def assemble(out: Path, index: ix.GradientIndex, staged: Path, meta: dict[str, A
     for file in out.iterdir():
         if file.is_file() and file.name not in REWRITTEN:
             _link_or_copy(file, nxt / file.name)
-    for name in (ix.IDS_FILE, ix.LOSSES_FILE, ix.TOKENS_FILE, ix.NORMS_FILE):
+    for name in (ix.IDS_FILE, ix.LOSSES_FILE, ix.TOKENS_FILE, ix.NORMS_FILE, ix.HASHES_FILE):
         if (out / name).exists():
             old = np.load(out / name, allow_pickle=False)
             np.save(nxt / name, np.concatenate([old, np.load(staged / name, allow_pickle=False)]))

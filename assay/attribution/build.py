@@ -52,6 +52,7 @@ from assay.core.runs import check_inputs, config_from_dict, config_to_dict, read
 from assay.lm.data import (
     Examples,
     collate,
+    example_hashes,
     examples_fingerprint,
     load_examples,
     token_batches,
@@ -292,6 +293,7 @@ def build_index(cfg: BuildConfig) -> dict[str, Any]:
         if dist.is_main:
             write_json(run.path / ix.META_FILE, meta)
             np.save(run.path / ix.IDS_FILE, examples.ids.astype(np.int64))
+            np.save(run.path / ix.HASHES_FILE, example_hashes(examples))
         if cfg.runtime.keep_freed_memory:
             reuse_freed_memory()  # after loading: the load's transient copies still go back
         summary = write_rows(setup, examples, run.path, cfg)

@@ -53,6 +53,9 @@ GRADIENTS_FILE = "gradients.npy"
 IDS_FILE = "ids.npy"
 LOSSES_FILE = "losses.npy"
 TOKENS_FILE = "tokens.npy"
+HASHES_FILE = "hashes.npy"
+"""[N] uint64 content hashes of the rows' examples (lm.data.example_hashes): what --append checks
+new examples against. Absent from indexes built before it."""
 NORMS_FILE = "norms.npy"
 NORMALIZER_FILE = "normalizer.safetensors"
 PRECONDITIONER_FILE = "preconditioner.safetensors"
@@ -298,7 +301,7 @@ def write_checksums(path: Path, meta: dict[str, Any], carried: dict[str, Any] | 
     append): the full sha256 (the rows file's chained, `rows_digest`), and for files over
     FULL_HASH_BYTES also the sampled one `open_index` checks. `carried`: the checksums.json of the
     index an append extends."""
-    names = expected_files(meta) + [n for n in (NORMS_FILE,) if (path / n).exists()]
+    names = expected_files(meta) + [n for n in (NORMS_FILE, HASHES_FILE) if (path / n).exists()]
     files: dict[str, dict[str, Any]] = {}
     for name in names:
         size = os.path.getsize(path / name)

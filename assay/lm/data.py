@@ -393,6 +393,18 @@ def examples_fingerprint(*sets: Examples | None) -> str:
     return h.hexdigest()[:16]
 
 
+def example_hashes(examples: Examples) -> np.ndarray:
+    """[N] uint64: a hash of what decides each example's gradient row, its tokens and which of them
+    carry loss (not its id), so the same example read from another file or split hashes alike."""
+    out = np.empty(len(examples), dtype=np.uint64)
+    for i in range(len(examples)):
+        h = hashlib.blake2b(digest_size=8)
+        h.update(np.ascontiguousarray(examples.tokens_of(i), dtype=np.int64).tobytes())
+        h.update(np.packbits(examples.targets_of(i)).tobytes())
+        out[i] = int.from_bytes(h.digest(), "little")
+    return out
+
+
 def load_examples(cfg: DataConfig, tokenizer: Any) -> tuple[Table, Examples]:
     """The table (for texts and metadata) and its tokenized examples, row for row."""
     table = load_table(cfg)

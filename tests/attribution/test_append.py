@@ -64,6 +64,9 @@ def test_appended_index_equals_a_build_of_the_union(grown):
     np.testing.assert_array_equal(np.asarray(a.gradients), np.asarray(u.gradients))
     for name in ("ids", "losses", "token_counts", "row_norms"):
         np.testing.assert_array_equal(getattr(a, name), getattr(u, name))
+    hashes = [np.load(d / ix.HASHES_FILE) for d in (grown_dir, union_dir)]
+    np.testing.assert_array_equal(*hashes)  # per-example content hashes, extended as rows are
+    assert len(np.unique(hashes[0])) == 16
     assert np.load(grown_dir / ix.GRADIENTS_FILE, mmap_mode="r").shape == (16, a.dim)  # header grown too
     (sums_a, count_a), (sums_u, count_u) = a.preconditioner_stats(), u.preconditioner_stats()
     assert count_a == count_u == min(16, samples)
@@ -159,6 +162,12 @@ def test_mismatches_are_refused_in_one_line(grown, tmp_path, tiny_tokenizer, cap
         assert len(err) == 1 and message in err[0], (extra, err)
     assert _append(base, root / "first.jsonl") == 2
     assert "already holds these examples" in capsys.readouterr().err
+    lines = (root / "union.jsonl").read_text().splitlines(keepends=True)
+    (tmp_path / "overlap.jsonl").write_text("".join(lines[13:] + lines[7:9]))  # 2 held ones, last
+    assert _append(base, tmp_path / "overlap.jsonl") == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert len(err) == 1 and "2 of the 5 new examples are already in" in err[0], err
+    assert "row ids in the new data: 3, 4)" in err[0]
     assert len(assay.open_index(base)) == 10 and not append_mod.staging_path(base).exists()
 
 
