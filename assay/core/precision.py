@@ -8,7 +8,7 @@ state, metrics) in fp32 with autocast switched off. Linear algebra runs in fp64.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -37,6 +37,20 @@ def cpu_has_fast_bf16() -> bool:
     except OSError:
         return False
     return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def slow_bf16_note(precisions: Sequence[str], device: str = "cpu") -> str | None:
+    """For an experiment that builds an index at each of `precisions`: a line saying that its bf16
+    one will run emulated here (a CPU without bf16 units), or None."""
+    on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+    if not on_cpu or cpu_has_fast_bf16():
+        return None
+    if not any(p.startswith("bf16") for p in precisions):
+        return None
+    return (
+        "--index_precisions includes bf16, which this CPU (no AMX or AVX512-BF16) runs emulated, an "
+        "order of magnitude slower than fp32: --index_precisions fp32 leaves that index out"
+    )
 
 
 def _resolve_auto(device: torch.device) -> tuple[str, str]:

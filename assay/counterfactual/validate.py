@@ -38,6 +38,7 @@ from assay.core.console import note
 from assay.core.distributed import Distributed
 from assay.core.errors import AssayError
 from assay.core.experiment import finish_experiment, first_difference, open_experiment
+from assay.core.precision import slow_bf16_note
 from assay.core.runs import CONFIG_FILE, DONE_FILE, config_from_dict, config_to_dict, read_json, write_json
 from assay.counterfactual.ground_truth import (
     GroundTruth,
@@ -313,6 +314,8 @@ def validate(cfg: ValidateConfig) -> dict[str, Any]:
         raise AssayError("give the queries: --query_dataset DATASET (or --preset abc)")
     root = dist.main_only(open_experiment, cfg.out, "validate", cfg, cfg.overwrite, FREE, True)
     cfg = dist.main_only(resolve, cfg, root)
+    if slow := slow_bf16_note([] if not cfg.methods else cfg.index_precisions, cfg.runtime.device):
+        note(slow)
     if not cfg.methods and not cfg.scores and not (root / "methods").exists():
         note(
             "no --methods or --scores: this run makes the ground truth only; validate methods on it "

@@ -28,9 +28,11 @@ import tyro
 
 from assay.attribution.build import BuildConfig, build_index
 from assay.core.config import DataConfig, ModelConfig, QueryConfig, RuntimeConfig, is_single_file
+from assay.core.console import note
 from assay.core.distributed import Distributed
 from assay.core.errors import AssayError
 from assay.core.experiment import Stages, finish_experiment, open_experiment
+from assay.core.precision import slow_bf16_note
 from assay.lm.presets import prepare_preset
 from assay.selection.filter import FilterConfig, select
 from assay.selection.strategies import STRATEGIES, StrategyName, seeded
@@ -336,5 +338,7 @@ def run_experiment(cfg: CoresetConfig) -> dict[str, Any]:
     dist = Distributed.current()
     root = dist.main_only(open_experiment, cfg.out, "coreset", cfg, cfg.overwrite, FREE, True)
     lay = dist.main_only(resolve_layout, cfg, root)
+    if slow := slow_bf16_note(cfg.index_precisions, cfg.runtime.device):
+        note(slow)
     run_stages(cfg, lay, Stages(root))
     return dist.main_only(finish, cfg, lay, root)

@@ -55,6 +55,17 @@ def test_bf16_without_bf16_units_says_it_is_slow(monkeypatch, name):
     assert PrecisionPolicy.resolve(name, "cpu").describe() == f"precision: {name} (asked for)"
 
 
+def test_experiments_building_a_bf16_index_say_it_is_slow_without_bf16_units(monkeypatch):
+    from assay.core import precision
+
+    monkeypatch.setattr(precision, "cpu_has_fast_bf16", lambda: False)
+    assert "runs emulated" in (precision.slow_bf16_note(("bf16", "fp32"), "cpu") or "")
+    assert precision.slow_bf16_note(("fp32",), "cpu") is None
+    assert precision.slow_bf16_note(("bf16",), "cuda") is None  # a GPU's bf16 is its own question
+    monkeypatch.setattr(precision, "cpu_has_fast_bf16", lambda: True)
+    assert precision.slow_bf16_note(("bf16", "fp32"), "cpu") is None
+
+
 def test_unknown_precision_is_a_clear_error():
     with pytest.raises(AssayError, match="unknown precision 'fp8'"):
         PrecisionPolicy.resolve("fp8", "cpu")
