@@ -60,7 +60,7 @@ from assay.core.runs import (
     read_json,
     write_json,
 )
-from assay.lm.data import example_hashes, examples_fingerprint, load_examples, tokenizer_fingerprint
+from assay.lm.data import Examples, example_hashes, examples_fingerprint, load_examples, tokenizer_fingerprint
 from assay.lm.lean import keep_compute_casts
 from assay.lm.models import load_model, load_sharded_model, load_tokenizer, setup_runtime
 
@@ -98,13 +98,13 @@ def append_index(cfg: BuildConfig) -> dict[str, Any]:
     _refuse_curvature(index)
     cfg = appended_config(cfg, index.meta, out)
     with _staging(out, cfg) as run:
-        setup, examples = _setup(cfg, index, run)
+        setup, examples, hashes = _setup(cfg, index, run)
         ids = new_ids(index.ids, examples.ids, cfg.id_offset)
         _check_room(out, len(index) + len(examples))
         if dist.is_main:
             np.save(run.path / ix.IDS_FILE, ids)
-            if (out / ix.HASHES_FILE).exists():  # an index from before the hashes gets none
-                np.save(run.path / ix.HASHES_FILE, example_hashes(examples))
+            if hashes is not None:  # an index from before the hashes gets none
+                np.save(run.path / ix.HASHES_FILE, hashes)
         summary = write_rows(setup, examples, run.path, cfg)
         dist.barrier()
         segment = {
@@ -181,9 +181,11 @@ def new_ids(have: np.ndarray, source_ids: np.ndarray, id_offset: int | None) -> 
     return ids
 
 
-def _setup(cfg: BuildConfig, index: ix.GradientIndex, run: RunFolder) -> tuple[GradientSetup, Any]:
-    """The index's model (fingerprint checked), modules, projection and saved normalizer, and the
-    new examples."""
+def _setup(
+    cfg: BuildConfig, index: ix.GradientIndex, run: RunFolder
+) -> tuple[GradientSetup, Examples, np.ndarray | None]:
+    """The index's model (fingerprint checked), modules, projection and saved normalizer, the new
+    examples and their content hashes (None for an index that keeps none)."""
     dist = Distributed.current()
     _, policy = setup_runtime(cfg.runtime)
     tokenizer = load_tokenizer(cfg.model)
@@ -192,7 +194,7 @@ def _setup(cfg: BuildConfig, index: ix.GradientIndex, run: RunFolder) -> tuple[G
     if tokenizer_fingerprint(tokenizer) != meta["model"]["tokenizer_fingerprint"]:
         raise AssayError(f"the tokenizer differs from the one {index.path} was built with")
     _refuse_duplicate(index, examples_fingerprint(examples))
-    _refuse_held_examples(index, examples)
+    hashes = _refuse_held_examples(index, examples)
     if cfg.fsdp:
         model = load_sharded_model(cfg.model, policy, cfg.runtime.attention, dist)
     else:
@@ -216,7 +218,7 @@ def _setup(cfg: BuildConfig, index: ix.GradientIndex, run: RunFolder) -> tuple[G
         compiled=cfg.compile,
     )  # fmt: skip
     keep_compute_casts(model, policy)  # from here on the model only collects gradients
-    return setup, examples
+    return setup, examples, hashes
 
 
 def _refuse_duplicate(index: ix.GradientIndex, fingerprint: str) -> None:
@@ -228,20 +230,21 @@ def _refuse_duplicate(index: ix.GradientIndex, fingerprint: str) -> None:
         raise AssayError(f"{index.path} already holds these examples (segment {held.index(fingerprint) + 1})")
 
 
-def _refuse_held_examples(index: ix.GradientIndex, examples: Any) -> None:
-    """New examples the index already holds (same tokens and loss positions, under any id) would
-    be rows twice over: refused, naming them, before the model loads."""
+def _refuse_held_examples(index: ix.GradientIndex, examples: Examples) -> np.ndarray | None:
+    """The new examples' content hashes; those the index already holds (same tokens and loss
+    positions, under any id) would be rows twice over: refused, naming them, before the model loads."""
     held_file = index.path / ix.HASHES_FILE
     if not held_file.exists():
-        return  # built before per-example hashes: only whole datasets are checked (above)
-    held = np.load(held_file, allow_pickle=False)
-    again = np.flatnonzero(np.isin(example_hashes(examples), held))
+        return None  # built before per-example hashes: only whole datasets are checked (above)
+    hashes = example_hashes(examples)
+    again = np.flatnonzero(np.isin(hashes, np.load(held_file, allow_pickle=False)))
     if again.size:
         first = ", ".join(str(int(examples.ids[i])) for i in again[:5]) + (", ..." if again.size > 5 else "")
         raise AssayError(
             f"{again.size} of the {len(examples)} new examples are already in {index.path} (row ids in "
             f"the new data: {first}); drop them from the data and append again"
         )
+    return hashes
 
 
 def _check_room(out: Path, rows: int) -> None:

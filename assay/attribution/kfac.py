@@ -340,7 +340,7 @@ def _check_read(kind: str, modules: dict[str, ModuleFactors]) -> None:
         raise ValueError("it holds no modules")
     for name, mf in modules.items():
         for side in (mf.a, mf.g):
-            if sum(v.shape[0] for v in side.vectors) != side.size or any(v.ndim != 2 for v in side.vectors):
+            if any(v.ndim != 2 for v in side.vectors) or sum(v.shape[0] for v in side.vectors) != side.size:
                 raise ValueError(f"module {name!r}'s eigenvector blocks do not span its eigenvalues")
         if kind == "ekfac" and mf.corrected is None:
             raise ValueError(f"module {name!r} has no EK-FAC eigenvalues though its kind is ekfac")

@@ -84,8 +84,8 @@ class PrecisionPolicy:
             reason += " (fp16 on CPU is slow; bf16 is the better mixed precision here)"
         elif name.startswith("bf16") and device.type == "cpu" and not cpu_has_fast_bf16():
             # Without AMX-BF16 or AVX512-BF16, torch falls back to slow bf16 kernels: on an
-            # AVX2-only AMD EPYC linear layers ran 6x and plain matmuls 60x slower than fp32, and
-            # `assay build`'s loop 20x (docs/BENCHMARKS.md, "AMD EPYC (AVX2 only)").
+            # AVX2-only AMD EPYC linear layers ran 6.5x and plain matmuls 140-175x slower than
+            # fp32, and `assay build`'s loop 20x (docs/BENCHMARKS.md, "AMD EPYC (AVX2 only...)").
             reason += (
                 "; this CPU has no bf16 matmul units (AMX or AVX512-BF16), so bf16 runs emulated, "
                 "an order of magnitude slower than fp32, which --precision auto picks here"

@@ -314,7 +314,7 @@ def validate(cfg: ValidateConfig) -> dict[str, Any]:
         raise AssayError("give the queries: --query_dataset DATASET (or --preset abc)")
     root = dist.main_only(open_experiment, cfg.out, "validate", cfg, cfg.overwrite, FREE, True)
     cfg = dist.main_only(resolve, cfg, root)
-    if slow := slow_bf16_note([] if not cfg.methods else cfg.index_precisions, cfg.runtime.device):
+    if slow := slow_bf16_note(cfg.index_precisions if cfg.methods else (), cfg.runtime.device):
         note(slow)
     if not cfg.methods and not cfg.scores and not (root / "methods").exists():
         note(
