@@ -195,6 +195,7 @@ def _setup(
         raise AssayError(f"the tokenizer differs from the one {index.path} was built with")
     _refuse_duplicate(index, examples_fingerprint(examples))
     hashes = _refuse_held_examples(index, examples)
+    ix.check_architecture(meta, cfg.model, index.path)
     if cfg.fsdp:
         model = load_sharded_model(cfg.model, policy, cfg.runtime.attention, dist)
     else:

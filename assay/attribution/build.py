@@ -62,6 +62,7 @@ from assay.lm.lean import keep_compute_casts
 from assay.lm.losses import example_losses
 from assay.lm.models import (
     FINGERPRINT_VERSION,
+    architecture_of,
     load_model,
     load_sharded_model,
     load_tokenizer,
@@ -239,6 +240,7 @@ def setup_from_index(
     tensors = index.normalizer_tensors()  # before loading a model: a missing file is refused at once
     normalizer = Normalizer(index.meta["normalizer"], tensors) if tensors else None
     tokenizer = load_tokenizer(cfg.model)
+    ix.check_architecture(index.meta, cfg.model, index.path)
     model = load_model(cfg.model, policy, cfg.runtime.attention)
     fingerprint = ix.index_fingerprint(model, index.meta)
     if fingerprint != index.meta["model"]["fingerprint"]:
@@ -332,6 +334,7 @@ def index_metadata(
             "fingerprint": setup.fingerprint or model_fingerprint(setup.model),
             "fingerprint_version": FINGERPRINT_VERSION,
             "tokenizer_fingerprint": tokenizer_fingerprint(tok),
+            "architecture": architecture_of(setup.model.config),
             "lora": lora,
         },
         "data": dataclasses.asdict(cfg.data),

@@ -40,13 +40,14 @@ from safetensors.torch import load_file, save_file
 
 from assay.attribution.kfac import KronFactors, load_factors
 from assay.attribution.normalizers import sample_positions
+from assay.core.config import ModelSource
 from assay.core.console import note
 from assay.core.distributed import Distributed
 from assay.core.errors import AssayError, first_line
 from assay.core.paths import as_path
 from assay.core.precision import STATS_DTYPE, full_precision
 from assay.core.runs import DONE_FILE, read_json, write_json
-from assay.lm.models import STRICT_FINGERPRINT, fingerprint_as
+from assay.lm.models import STRICT_FINGERPRINT, fingerprint_as, read_architecture
 
 META_FILE = "index.json"
 GRADIENTS_FILE = "gradients.npy"
@@ -367,6 +368,22 @@ def index_fingerprint(model: torch.nn.Module, meta: dict[str, Any]) -> str:
     if version < STRICT_FINGERPRINT:
         note("this index records the older model fingerprint (weight sums): rebuild it for the strict check")
     return fingerprint_as(model, version)
+
+
+def check_architecture(meta: dict[str, Any], source: ModelSource, path: Path) -> None:
+    """Refuse, before its weights load, a model whose config gives another shape than the model
+    the index was built with (one line); the fingerprint, once loaded, checks every weight. An
+    index from before architectures were recorded, or a config that does not read alone, passes."""
+    built = meta["model"].get("architecture")
+    have = read_architecture(source) if built else None
+    if not built or have is None:
+        return
+    for key, value in built.items():
+        if key in have and have[key] != value:
+            raise AssayError(
+                f"model {source.model!r} is not the one {path} was built with: its {key} is "
+                f"{have[key]!r}, the index's model's {value!r}"
+            )
 
 
 def save_preconditioner_stats(folder: Path, meta: dict[str, Any], samples: int, seed: int) -> None:

@@ -253,6 +253,34 @@ HASH_PIECE = 1 << 20
 many small matrices over the threads, large enough that the pool's per-task cost is noise."""
 
 
+SHAPE_CONFIG_KEYS = (
+    "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "num_local_experts", "num_experts",
+    "moe_intermediate_size", "n_embd", "n_layer", "n_head",
+)  # fmt: skip
+"""Config entries that fix a model's weight shapes, under every transformers version: a model
+whose config differs in one of them cannot match an index's fingerprint (`architecture_of`)."""
+
+
+def architecture_of(config: Any) -> dict[str, Any]:
+    """The SHAPE_CONFIG_KEYS a config (a model's, or one read from its folder) has, by name."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    values = text.to_dict()
+    return {key: values[key] for key in SHAPE_CONFIG_KEYS if key in values}
+
+
+def read_architecture(cfg: ModelSource) -> dict[str, Any] | None:
+    """The architecture of the model `cfg` names, from its config alone (no weights loaded), or
+    None where that config does not load by itself (then loading the model says what is wrong)."""
+    from transformers import AutoConfig  # lazy: as above
+
+    base = resolve_model_path(_base_model_of(cfg.model))
+    try:
+        return architecture_of(AutoConfig.from_pretrained(base, trust_remote_code=cfg.trust_remote_code))
+    except Exception:
+        return None
+
+
 def _config_hash(model: Any, version: int = FINGERPRINT_VERSION) -> Any:
     config = json.loads(model.config.to_json_string(use_diff=False))
     for key in LOCAL_CONFIG_KEYS + (RUNTIME_CONFIG_KEYS if version >= 4 else ()):

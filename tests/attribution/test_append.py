@@ -171,6 +171,27 @@ def test_mismatches_are_refused_in_one_line(grown, tmp_path, tiny_tokenizer, cap
     assert len(assay.open_index(base)) == 10 and not append_mod.staging_path(base).exists()
 
 
+def test_a_model_of_another_shape_is_refused_before_its_weights_load(
+    grown, tmp_path, tiny_tokenizer, capsys, monkeypatch
+):
+    root, _, _, _, samples = grown
+    if samples != 1000:
+        pytest.skip("once is enough")
+    base = Path(shutil.copytree(root / "base", tmp_path / "base"))
+    other = tmp_path / "deeper"
+    tiny_llama(1, vocab_size=len(tiny_tokenizer), num_hidden_layers=3).save_pretrained(other)
+    tiny_tokenizer.save_pretrained(other)
+    assert assay.open_index(base).meta["model"]["architecture"]["num_hidden_layers"] == 2
+
+    def no_load(*_args, **_kwargs):
+        raise AssertionError("the model's weights were loaded")
+
+    monkeypatch.setattr(append_mod, "load_model", no_load)
+    assert _append(base, root / "more.jsonl", "--model", str(other)) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert len(err) == 1 and "its num_hidden_layers is 3, the index's model's 2" in err[0], err
+
+
 def test_curvature_indexes_are_refused(tmp_path, tiny_model_dir, texts_jsonl, capsys):
     assert _build(tmp_path / "k", tiny_model_dir, texts_jsonl, "--preconditioner", "kfac") == 0
     capsys.readouterr()

@@ -8,8 +8,9 @@ import shutil
 
 import pytest
 
+from assay.attribution import build as build_mod
 from assay.attribution.build import BuildConfig, build_index, setup_from_index
-from assay.attribution.index import open_index
+from assay.attribution.index import check_architecture, open_index
 from assay.attribution.options import ScoreOptions
 from assay.attribution.projection import Projector
 from assay.attribution.score import check_compatible
@@ -111,6 +112,34 @@ def test_changed_model_is_refused(built, tiny_tokenizer, capsys):
         and err[0].startswith("assay score: error: model")
         and "not the one" in err[0]
     )
+
+
+def test_a_model_of_another_shape_is_refused_before_its_weights_load(built, tiny_tokenizer, monkeypatch):
+    root, model_dir, data = built
+    kept = root / "model-kept"
+    shutil.move(model_dir, kept)
+    try:
+        tiny_llama(1, vocab_size=len(tiny_tokenizer), hidden_size=48).save_pretrained(model_dir)
+        tiny_tokenizer.save_pretrained(model_dir)
+
+        def no_load(*_args, **_kwargs):
+            raise AssertionError("the model's weights were loaded")
+
+        monkeypatch.setattr(build_mod, "load_model", no_load)
+        with pytest.raises(AssayError, match="its hidden_size is 48, the index's model's 32"):
+            run_score(_score_cfg(root, data, query_max_samples=2))
+    finally:
+        shutil.rmtree(model_dir)
+        shutil.move(kept, model_dir)
+
+
+def test_an_index_without_an_architecture_is_checked_by_fingerprint_alone(built):
+    root, model_dir, _ = built
+    meta = open_index(root / "index").meta
+    old = {**meta, "model": {k: v for k, v in meta["model"].items() if k != "architecture"}}
+    check_architecture(old, ModelConfig(model=str(root / "missing")), root / "index")  # nothing read
+    check_architecture(meta, ModelConfig(model=str(model_dir)), root / "index")  # the same shape
+    check_architecture(meta, ModelConfig(model=str(root / "missing")), root / "index")  # no config
 
 
 def test_missing_or_unfinished_index(tmp_path):

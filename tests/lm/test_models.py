@@ -11,8 +11,15 @@ from assay.core.config import ModelConfig
 from assay.core.errors import AssayError
 from assay.core.precision import PrecisionPolicy
 from assay.lm.hooks import get_module
-from assay.lm.models import load_model, load_tokenizer, model_fingerprint, resolve_device
-from tests.helpers import tiny_llama
+from assay.lm.models import (
+    architecture_of,
+    load_model,
+    load_tokenizer,
+    model_fingerprint,
+    read_architecture,
+    resolve_device,
+)
+from tests.helpers import tiny_gpt2, tiny_llama
 
 FP32 = PrecisionPolicy.resolve("fp32", "cpu")
 
@@ -223,3 +230,15 @@ def test_fingerprint_leaves_out_what_a_trainer_rewrites_in_the_config(tiny_model
     with torch.no_grad():
         model.model.norm.weight[0] += 1
     assert model_fingerprint(model) != v4
+
+
+def test_architecture_is_read_from_the_config_alone_and_matches_the_loaded_model(tiny_model_dir, tmp_path):
+    loaded = architecture_of(load_model(ModelConfig(model=str(tiny_model_dir)), FP32).config)
+    assert read_architecture(ModelConfig(model=str(tiny_model_dir))) == loaded
+    assert loaded["model_type"] == "llama" and loaded["num_hidden_layers"] == 2 and "n_embd" not in loaded
+    adapter = tmp_path / "adapter"
+    load_model(ModelConfig(model=str(tiny_model_dir), lora_rank=2), FP32).save_pretrained(adapter)
+    assert read_architecture(ModelConfig(model=str(adapter))) == loaded  # an adapter's base
+    gpt2 = architecture_of(tiny_gpt2().config)
+    assert gpt2["model_type"] == "gpt2" and {"n_embd", "n_layer", "n_head", "vocab_size"} <= set(gpt2)
+    assert read_architecture(ModelConfig(model=str(tmp_path / "nothing"))) is None
