@@ -452,19 +452,24 @@ def score_rows(
 
     screen = plan.screen is not None and scores_out is None
     spans = [(a, min(a + chunk_rows, source.num_rows)) for a in range(0, source.num_rows, max(chunk_rows, 1))]
-    reads = FileReads.of(source, device, len(spans))
+    reads = FileReads.of(source, device, len(spans), workers)
 
     def score(chunk: int, start: int, stop: int, slot: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         if reads is not None:  # an fp32 file: timed while `reads` chooses how to read it
             began = time.perf_counter()
             way, read = reads.rows(chunk, start, stop, slot)
             scores = chunk_scores(plan, read, start)
-            reads.record(way, time.perf_counter() - began, stop - start)
+            source.release(slot)  # inside the chunk's time: the trial compares whole costs
+            reads.record(chunk, way, time.perf_counter() - began, stop - start)
             return scores, None
         rows = source.read_raw(start, stop, slot).to(device)
+        scored: tuple[torch.Tensor, torch.Tensor | None]
         if screen and rows.dtype == torch.float16:
-            return screened_chunk(plan, rows, start, top_k)
-        return chunk_scores(plan, rows, start), None
+            scored = screened_chunk(plan, rows, start, top_k)
+        else:
+            scored = chunk_scores(plan, rows, start), None
+        source.release(slot)  # a mapped chunk's pages go as soon as it is scored
+        return scored
 
     with single_threaded_torch(workers) as pool:
         pending = deque(pool.submit(score, i, *span, i % depth) for i, span in enumerate(spans[:depth]))

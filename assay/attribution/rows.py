@@ -41,14 +41,18 @@ class RowSource(Protocol):
         """Rows start..stop as fp32 (same buffer rule)."""
         ...
 
+    def release(self, slot: int) -> None:
+        """Let go of what buffer `slot` holds (its rows are not used again)."""
+        ...
+
 
 class ArrayRows:
     """Rows of a numpy array or memmap (fp16, fp32 or fp64).
 
     A memmap over a whole file is read through its own read-only mapping of the file, one window
     of rows per buffer slot: the window's pages are mapped in one call when it is read and
-    unmapped when its slot is read again, so resident memory stays at a few chunks however
-    large the file is, and the rows are used where the page cache holds them (no copy).
+    unmapped when the slot is released or read again, so resident memory stays at a few chunks
+    however large the file is, and the rows are used where the page cache holds them (no copy).
     """
 
     def __init__(self, array: np.ndarray):
@@ -74,6 +78,11 @@ class ArrayRows:
 
     def read(self, start: int, stop: int, slot: int = 0) -> torch.Tensor:
         return self.read_raw(start, stop, slot).to(STATS_DTYPE)
+
+    def release(self, slot: int) -> None:
+        """Unmap the rows `slot` last read from the file now, not when the slot is read again."""
+        if self._map is not None:
+            self._map.release(slot)
 
     def file_blocks(self, start: int, stop: int) -> FileBlocks | None:
         """Rows start..stop to be read from the file block by block, or None where the rows are
@@ -124,8 +133,7 @@ class FileWindows:
         """Elements a..b as a 1-d tensor over the mapping (valid until the slot is read again)."""
         if b <= a:
             return torch.empty(0, dtype=self.dtype)
-        if slot in self.windows:
-            self._advise(mmap.MADV_DONTNEED, *self.windows.pop(slot))
+        self.release(slot)
         lo = (self.offset + a * self.itemsize) // mmap.PAGESIZE * mmap.PAGESIZE
         hi = self.offset + b * self.itemsize
         self._check_size(hi)  # a page past the end of a mapped file would kill the process (SIGBUS)
@@ -137,6 +145,11 @@ class FileWindows:
         self.windows[slot] = (lo, hi)
         first = self.offset + a * self.itemsize
         return torch.frombuffer(self.map, dtype=self.dtype, count=b - a, offset=first)
+
+    def release(self, slot: int) -> None:
+        """Unmap the window `slot` holds, if any (its tensors must not be used after)."""
+        if slot in self.windows:
+            self._advise(mmap.MADV_DONTNEED, *self.windows.pop(slot))
 
     def read_into(self, out: memoryview, a: int) -> None:
         """Copy elements from a on into the bytes `out` (no mapping; safe from several threads)."""
@@ -197,26 +210,35 @@ class FileReads:
     in-memory matmul by blocks against 1.35-1.58x mapped on AMD EPYC, and 1.63-1.76x by blocks
     against 1.19-1.32x mapped on an Intel Xeon with AMX (docs/BENCHMARKS.md, "Scoring"). Both ways
     hand the same rows to the same block GEMMs, so the choice changes no score.
+
+    The trial is fair to both ways in three respects (on an AMD EPYC with AVX2 only, each unfairness
+    chose the mapping, which then took twice the time of block reads):
+    - it reads a group of one chunk per worker each way, so the chunks timed together are read
+      alike: a chunk is timed under the contention of its own way, not the other's;
+    - a mapped chunk's pages are unmapped before its time is taken (`release`), not charged to
+      a later chunk;
+    - a first group, read by blocks, is not timed: the pass's new threads are warming up.
     """
 
     WAYS = ("blocks", "mapped")
-    TRIAL = 2
-    """Chunks read each way before choosing; an index of fewer than 3 x 2 x TRIAL chunks is read
-    by blocks (too small for the trial to pay)."""
+    TRIAL = 1
+    """Groups (of one chunk per worker) timed each way before choosing; an index of fewer than
+    twice the trial's chunks (12 on 2 workers) is read by blocks (too small for the trial to pay)."""
 
-    def __init__(self, source: ArrayRows, chunks: int) -> None:
-        self.source = source
-        self.trial = self.TRIAL if chunks >= 3 * len(self.WAYS) * self.TRIAL else 0
-        self.seconds_per_row: dict[str, list[float]] = {way: [] for way in self.WAYS}
+    def __init__(self, source: ArrayRows, chunks: int, workers: int = 1) -> None:
+        self.source, self.group = source, max(1, workers)
+        trial = (1 + len(self.WAYS) * self.TRIAL) * self.group  # the warm-up group, then the timed ones
+        self.trial_chunks = trial if chunks >= 2 * trial else 0
+        self.timed: dict[str, list[tuple[float, int]]] = {way: [] for way in self.WAYS}
         self._lock = threading.Lock()
 
     @classmethod
-    def of(cls, source: RowSource, device: torch.device, chunks: int) -> FileReads | None:
-        """The reads of `source` in `chunks` chunks if it is a whole fp32 file scored on the CPU,
-        else None (the source's own `read_raw`)."""
+    def of(cls, source: RowSource, device: torch.device, chunks: int, workers: int = 1) -> FileReads | None:
+        """The reads of `source` in `chunks` chunks on `workers` threads if it is a whole fp32 file
+        scored on the CPU, else None (the source's own `read_raw`)."""
         if device.type != "cpu" or not isinstance(source, ArrayRows):
             return None
-        return cls(source, chunks) if source.file_blocks(0, 0) is not None else None
+        return cls(source, chunks, workers) if source.file_blocks(0, 0) is not None else None
 
     def rows(self, chunk: int, start: int, stop: int, slot: int) -> tuple[str, FileBlocks | torch.Tensor]:
         """(the way, rows start..stop read that way) for chunk number `chunk`; mapped rows are
@@ -226,18 +248,19 @@ class FileReads:
         return way, blocks if blocks is not None else self.source.read_raw(start, stop, slot)
 
     def way(self, chunk: int) -> str:
-        """How to read chunk number `chunk`: in turn during the trial, then the faster way so far."""
-        if chunk < self.trial * len(self.WAYS):
-            return self.WAYS[chunk % len(self.WAYS)]
+        """How to read chunk number `chunk`: group by group in turn during the trial, then the way
+        whose trial chunks took the less time per row (blocks until both have been timed)."""
+        if chunk < self.trial_chunks:
+            return self.WAYS[max(0, chunk // self.group - 1) % len(self.WAYS)]
         with self._lock:
-            timed = {way: min(t) for way, t in self.seconds_per_row.items() if t}
-        return min(timed, key=timed.__getitem__) if len(timed) == len(self.WAYS) else self.WAYS[0]
+            per_row = {way: sum(s for s, _ in t) / sum(r for _, r in t) for way, t in self.timed.items() if t}
+        return min(per_row, key=per_row.__getitem__) if len(per_row) == len(self.WAYS) else self.WAYS[0]
 
-    def record(self, way: str, seconds: float, rows: int) -> None:
-        """A chunk's time, kept while its way's trial lasts (later ones are not counted)."""
-        with self._lock:
-            if len(self.seconds_per_row[way]) < self.trial:
-                self.seconds_per_row[way].append(seconds / max(rows, 1))
+    def record(self, chunk: int, way: str, seconds: float, rows: int) -> None:
+        """Chunk number `chunk`'s time, kept if it was read in the trial's timed groups."""
+        if self.group <= chunk < self.trial_chunks and rows > 0:
+            with self._lock:
+                self.timed[way].append((seconds, rows))
 
 
 _thread_buffers = threading.local()
@@ -284,6 +307,9 @@ class TensorRows:
 
     def read(self, start: int, stop: int, slot: int = 0) -> torch.Tensor:
         return self.tensor[start:stop].to(STATS_DTYPE)
+
+    def release(self, slot: int) -> None:
+        pass  # slices of the tensor itself: nothing to let go of
 
 
 def base_sq_norms(source: RowSource, whitening: Whitening, chunk_rows: int = 1024) -> np.ndarray:

@@ -145,7 +145,7 @@ def test_fp32_file_rows_score_alike_either_way(data, mode, way, tmp_path, monkey
     np.save(tmp_path / "g.npy", train)
     source = ArrayRows(np.load(tmp_path / "g.npy", mmap_mode="r"))
     monkeypatch.setattr(kernel, "BLOCK_BYTES", 16 * 4 * train.shape[1])  # 16-row blocks
-    monkeypatch.setattr(rows_module.FileReads, "TRIAL", 1)  # 10 chunks: enough to try both ways
+    # 10 chunks: one worker tries both ways (a trial of 3 chunks), three read every chunk by blocks
     if way != "chosen":
         monkeypatch.setattr(rows_module.FileReads, "way", lambda self, chunk: way)
     reads, mapped = [], []
@@ -173,18 +173,37 @@ def test_file_reads_try_each_way_then_keep_the_faster(tmp_path):
     source = ArrayRows(np.load(tmp_path / "g.npy", mmap_mode="r"))
     cpu = torch.device("cpu")
     assert rows_module.FileReads.of(ArrayRows(np.zeros((4, 3), np.float32)), cpu, 100) is None  # in memory
-    reads = rows_module.FileReads.of(source, cpu, chunks=100)
+    reads = rows_module.FileReads.of(source, cpu, chunks=100, workers=2)
     assert reads is not None
-    assert [reads.way(c) for c in range(4)] == ["blocks", "mapped", "blocks", "mapped"]
-    assert reads.way(4) == "blocks"  # no times yet: the default
-    for way, seconds in [("blocks", 2.0), ("mapped", 1.5), ("blocks", 1.8), ("mapped", 1.4)]:
-        reads.record(way, seconds, rows=1000)
-    reads.record("mapped", 9.0, rows=1000)  # after its trial: not counted
-    assert reads.way(4) == reads.way(99) == "mapped"
-    reads.record("blocks", 0.1, rows=1000)  # the trial is over for blocks too
-    assert reads.way(5) == "mapped"
-    few = rows_module.FileReads(source, chunks=11)  # under 3 × 2 × TRIAL chunks: no trial
+    # a warm-up group (untimed), then a group of one chunk per worker each way
+    assert [reads.way(c) for c in range(6)] == ["blocks"] * 4 + ["mapped"] * 2
+    assert reads.way(6) == "blocks"  # no times yet: the default
+    for chunk, seconds in enumerate([0.1, 0.1, 2.0, 1.8, 1.5, 1.4, 0.1]):  # 0, 1: warm-up; 6: after
+        reads.record(chunk, reads.way(chunk) if chunk < 6 else "blocks", seconds, rows=1000)
+    assert reads.way(6) == reads.way(99) == "mapped"
+    reads.record(3, "blocks", 0.0, rows=0)  # an empty chunk counts for nothing
+    assert reads.timed["blocks"] == [(2.0, 1000), (1.8, 1000)]
+    few = rows_module.FileReads(source, chunks=11, workers=2)  # under twice the trial's 6 chunks
     assert {few.way(c) for c in range(11)} == {"blocks"}
+
+
+def test_a_mapped_chunk_is_unmapped_when_released(tmp_path, monkeypatch):
+    """`release` drops a slot's window at once (inside the chunk's time), not at the slot's next
+    read; the other slots keep theirs; the kernel releases every chunk it read mapped."""
+    np.save(tmp_path / "g.npy", np.arange(4096 * 8, dtype=np.float32).reshape(4096, 8))
+    source = ArrayRows(np.load(tmp_path / "g.npy", mmap_mode="r"))
+    assert source.read_raw(0, 1024, slot=0)[5, 1].item() == 41.0
+    assert source.read_raw(1024, 2048, slot=1)[0, 0].item() == 1024 * 8
+    windows = source._map.windows  # type: ignore[union-attr]
+    assert set(windows) == {0, 1}
+    source.release(0)
+    assert set(windows) == {1}
+    source.release(0)  # nothing left to drop
+    assert source.read_raw(0, 4, slot=0)[1, 0].item() == 8.0  # the slot maps again
+    monkeypatch.setattr(rows_module.FileReads, "way", lambda self, chunk: "mapped")
+    plan = plan_queries(torch.ones(1, 8), "inner", "none", None)
+    score_rows(source, plan, chunk_rows=256, workers=2)
+    assert windows == {}
 
 
 def test_a_truncated_fp32_file_is_a_clear_error_when_scored(data, tmp_path):
