@@ -133,6 +133,31 @@ def test_a_model_of_another_shape_is_refused_before_its_weights_load(built, tiny
         shutil.move(kept, model_dir)
 
 
+def test_a_changed_tokenizer_is_refused_before_the_weights_load(built, monkeypatch):
+    root, model_dir, data = built
+    kept = root / "tokenizer-kept"
+    kept.mkdir()
+    before = {f.name for f in model_dir.iterdir()}
+    names = [name for name in before if name.startswith(("tokenizer", "special_tokens"))]
+    for name in names:
+        shutil.copy(model_dir / name, kept / name)
+    try:
+        make_tokenizer(vocab_size=280).save_pretrained(model_dir)
+
+        def no_load(*_args, **_kwargs):
+            raise AssertionError("the model's weights were loaded")
+
+        monkeypatch.setattr(build_mod, "load_model", no_load)
+        with pytest.raises(AssayError, match="the tokenizer differs"):
+            run_score(_score_cfg(root, data, query_max_samples=2))
+    finally:
+        for extra in {f.name for f in model_dir.iterdir()} - before:
+            (model_dir / extra).unlink()
+        for name in names:
+            shutil.copy(kept / name, model_dir / name)
+        shutil.rmtree(kept)
+
+
 def test_an_index_without_an_architecture_is_checked_by_fingerprint_alone(built):
     root, model_dir, _ = built
     meta = open_index(root / "index").meta
