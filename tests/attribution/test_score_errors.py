@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import shutil
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -114,48 +117,40 @@ def test_changed_model_is_refused(built, tiny_tokenizer, capsys):
     )
 
 
+@contextlib.contextmanager
+def _model_folder_swapped(model_dir: Path, monkeypatch) -> Iterator[Path]:
+    """The built model's folder moved aside (yielded) for the test to fill its place, put back
+    after; loading the model's weights meanwhile fails the test."""
+
+    def no_load(*_args, **_kwargs):
+        raise AssertionError("the model's weights were loaded")
+
+    kept = model_dir.with_name(model_dir.name + "-kept")
+    shutil.move(model_dir, kept)
+    monkeypatch.setattr(build_mod, "load_model", no_load)
+    try:
+        yield kept
+    finally:
+        shutil.rmtree(model_dir, ignore_errors=True)
+        shutil.move(kept, model_dir)
+
+
 def test_a_model_of_another_shape_is_refused_before_its_weights_load(built, tiny_tokenizer, monkeypatch):
     root, model_dir, data = built
-    kept = root / "model-kept"
-    shutil.move(model_dir, kept)
-    try:
+    with _model_folder_swapped(model_dir, monkeypatch):
         tiny_llama(1, vocab_size=len(tiny_tokenizer), hidden_size=48).save_pretrained(model_dir)
         tiny_tokenizer.save_pretrained(model_dir)
-
-        def no_load(*_args, **_kwargs):
-            raise AssertionError("the model's weights were loaded")
-
-        monkeypatch.setattr(build_mod, "load_model", no_load)
         with pytest.raises(AssayError, match="its hidden_size is 48, the index's model's 32"):
             run_score(_score_cfg(root, data, query_max_samples=2))
-    finally:
-        shutil.rmtree(model_dir)
-        shutil.move(kept, model_dir)
 
 
 def test_a_changed_tokenizer_is_refused_before_the_weights_load(built, monkeypatch):
     root, model_dir, data = built
-    kept = root / "tokenizer-kept"
-    kept.mkdir()
-    before = {f.name for f in model_dir.iterdir()}
-    names = [name for name in before if name.startswith(("tokenizer", "special_tokens"))]
-    for name in names:
-        shutil.copy(model_dir / name, kept / name)
-    try:
+    with _model_folder_swapped(model_dir, monkeypatch) as kept:
+        shutil.copytree(kept, model_dir)
         make_tokenizer(vocab_size=280).save_pretrained(model_dir)
-
-        def no_load(*_args, **_kwargs):
-            raise AssertionError("the model's weights were loaded")
-
-        monkeypatch.setattr(build_mod, "load_model", no_load)
         with pytest.raises(AssayError, match="the tokenizer differs"):
             run_score(_score_cfg(root, data, query_max_samples=2))
-    finally:
-        for extra in {f.name for f in model_dir.iterdir()} - before:
-            (model_dir / extra).unlink()
-        for name in names:
-            shutil.copy(kept / name, model_dir / name)
-        shutil.rmtree(kept)
 
 
 def test_an_index_without_an_architecture_is_checked_by_fingerprint_alone(built):
