@@ -191,8 +191,7 @@ def _setup(
     tokenizer = load_tokenizer(cfg.model)
     _, examples = load_examples(cfg.data, tokenizer)
     meta = index.meta
-    if tokenizer_fingerprint(tokenizer) != meta["model"]["tokenizer_fingerprint"]:
-        raise AssayError(f"the tokenizer differs from the one {index.path} was built with")
+    ix.check_tokenizer(meta, tokenizer, index.path)
     _refuse_duplicate(index, examples_fingerprint(examples))
     hashes = _refuse_held_examples(index, examples)
     ix.check_architecture(meta, cfg.model, index.path)

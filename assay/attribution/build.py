@@ -240,9 +240,8 @@ def setup_from_index(
     tensors = index.normalizer_tensors()  # before loading a model: a missing file is refused at once
     normalizer = Normalizer(index.meta["normalizer"], tensors) if tensors else None
     tokenizer = load_tokenizer(cfg.model)
-    if tokenizer_fingerprint(tokenizer) != index.meta["model"]["tokenizer_fingerprint"]:
-        raise AssayError(f"the tokenizer differs from the one {index.path} was built with")
-    ix.check_architecture(index.meta, cfg.model, index.path)  # both before the weights load
+    ix.check_tokenizer(index.meta, tokenizer, index.path)  # both before the weights load
+    ix.check_architecture(index.meta, cfg.model, index.path)
     model = load_model(cfg.model, policy, cfg.runtime.attention)
     fingerprint = ix.index_fingerprint(model, index.meta)
     if fingerprint != index.meta["model"]["fingerprint"]:

@@ -47,6 +47,7 @@ from assay.core.errors import AssayError, first_line
 from assay.core.paths import as_path
 from assay.core.precision import STATS_DTYPE, full_precision
 from assay.core.runs import DONE_FILE, read_json, write_json
+from assay.lm.data import tokenizer_fingerprint
 from assay.lm.models import STRICT_FINGERPRINT, fingerprint_as, read_architecture
 
 META_FILE = "index.json"
@@ -370,13 +371,19 @@ def index_fingerprint(model: torch.nn.Module, meta: dict[str, Any]) -> str:
     return fingerprint_as(model, version)
 
 
+def check_tokenizer(meta: dict[str, Any], tokenizer: Any, path: Path) -> None:
+    """Refuse a tokenizer other than the one the index was built with (one line)."""
+    if tokenizer_fingerprint(tokenizer) != meta["model"]["tokenizer_fingerprint"]:
+        raise AssayError(f"the tokenizer differs from the one {path} was built with")
+
+
 def check_architecture(meta: dict[str, Any], source: ModelSource, path: Path) -> None:
     """Refuse, before its weights load, a model whose config gives another shape than the model
     the index was built with (one line); the fingerprint, once loaded, checks every weight. An
     index from before architectures were recorded, or a config that does not read alone, passes."""
     built = meta["model"].get("architecture")
     have = read_architecture(source) if built else None
-    if not built or have is None:
+    if have is None:
         return
     for key, value in built.items():
         if key in have and have[key] != value:

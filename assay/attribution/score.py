@@ -21,7 +21,7 @@ import torch
 from assay.attribution.ann import load_or_build_ann, search_ann
 from assay.attribution.build import GradientSetup, collect
 from assay.attribution.collector import Objective
-from assay.attribution.index import GradientIndex, index_fingerprint, segments
+from assay.attribution.index import GradientIndex, check_tokenizer, index_fingerprint, segments
 from assay.attribution.kernel import TopRows, half_gemm_is_exact_enough, plan_queries, score_rows
 from assay.attribution.kfac import precondition_rows, projected_curvature
 from assay.attribution.options import ScoreOptions, check_scores_out, gradient_rows, score_options
@@ -35,7 +35,7 @@ from assay.core.errors import AssayError
 from assay.core.paths import cache_dir
 from assay.core.progress import Progress
 from assay.core.runs import DONE_FILE
-from assay.lm.data import ID_COLUMN, Examples, load_table, texts_of, tokenizer_fingerprint
+from assay.lm.data import ID_COLUMN, Examples, load_table, texts_of
 
 
 def check_compatible(index: GradientIndex, setup: GradientSetup) -> None:
@@ -45,8 +45,7 @@ def check_compatible(index: GradientIndex, setup: GradientSetup) -> None:
         raise AssayError(
             f"the model differs from the one {index.path} was built with ({meta['model']['name']})"
         )
-    if tokenizer_fingerprint(setup.tokenizer) != meta["model"]["tokenizer_fingerprint"]:
-        raise AssayError(f"the tokenizer differs from the one {index.path} was built with")
+    check_tokenizer(meta, setup.tokenizer, index.path)
     if (setup.projector.dim, setup.projector.seed) != (meta["projection_dim"], meta["projection_seed"]):
         raise AssayError(
             f"projection p={setup.projector.dim} seed={setup.projector.seed} differs from the index's "

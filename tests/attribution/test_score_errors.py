@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from assay.attribution import build as build_mod
+from assay.attribution import index as ix
 from assay.attribution.build import BuildConfig, build_index, setup_from_index
 from assay.attribution.index import check_architecture, open_index
 from assay.attribution.options import ScoreOptions
@@ -153,11 +154,15 @@ def test_a_changed_tokenizer_is_refused_before_the_weights_load(built, monkeypat
             run_score(_score_cfg(root, data, query_max_samples=2))
 
 
-def test_an_index_without_an_architecture_is_checked_by_fingerprint_alone(built):
+def test_an_index_without_an_architecture_is_checked_by_fingerprint_alone(built, monkeypatch):
     root, model_dir, _ = built
     meta = open_index(root / "index").meta
     old = {**meta, "model": {k: v for k, v in meta["model"].items() if k != "architecture"}}
-    check_architecture(old, ModelConfig(model=str(root / "missing")), root / "index")  # nothing read
+    with monkeypatch.context() as m:  # whatever the named model's config says, it is not read
+        m.setattr(ix, "read_architecture", lambda _source: {"hidden_size": 999})
+        check_architecture(old, ModelConfig(model=str(model_dir)), root / "index")
+        with pytest.raises(AssayError, match="its hidden_size is 999"):
+            check_architecture(meta, ModelConfig(model=str(model_dir)), root / "index")
     check_architecture(meta, ModelConfig(model=str(model_dir)), root / "index")  # the same shape
     check_architecture(meta, ModelConfig(model=str(root / "missing")), root / "index")  # no config
 
